@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: the GPU test suite, then the benchmark. Logs and results go under $OUT.
+# Usage (on the device machine, repo root): bash scripts/gpu_check.sh [bench args...]
+set -uo pipefail
+OUT=${OUT:-/tmp/tritonformer-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -n 4 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 -m tritonformer bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi

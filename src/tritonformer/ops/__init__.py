@@ -1,0 +1,1 @@
+"""One module per op: its kernels, launcher, autograd Function, reference and registry entry."""

@@ -1,0 +1,204 @@
+"""Elementwise add with broadcasting: out = x + y.
+
+Backward: dx = sum of dout over x's broadcast dimensions, likewise dy.
+Inputs of any strides are read in place when their broadcast view collapses to at most
+four dimensions; beyond that they are copied to contiguous first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+from ..bench import peers
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+MAX_STRIDED_DIMS = 4
+
+
+@triton.jit
+def _add_fwd_kernel(
+    x_ptr, y_ptr, out_ptr, n,
+    size1, size2, size3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    y_stride0, y_stride1, y_stride2, y_stride3,
+    CONTIGUOUS: tl.constexpr, INDEX_64: tl.constexpr, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if CONTIGUOUS:
+        x_offs = offs
+        y_offs = offs
+    else:
+        i3 = offs % size3
+        rest = offs // size3
+        i2 = rest % size2
+        rest = rest // size2
+        i1 = rest % size1
+        i0 = rest // size1
+        x_offs = i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2 + i3 * x_stride3
+        y_offs = i0 * y_stride0 + i1 * y_stride1 + i2 * y_stride2 + i3 * y_stride3
+    x = tl.load(x_ptr + x_offs, mask=mask)
+    y = tl.load(y_ptr + y_offs, mask=mask)
+    if IS_FLOAT:
+        out = x.to(tl.float32) + y.to(tl.float32)
+    else:
+        out = x.to(tl.int32) + y.to(tl.int32)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def collapse_dims(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[list[int], list[list[int]]]:
+    """Merge neighbouring dimensions that every stride tuple walks as one, and drop size-1 ones.
+    Returns the smallest equivalent (shape, strides) description of the same elements."""
+    dims = [i for i, s in enumerate(shape) if s != 1]
+    out_shape: list[int] = []
+    out_strides: list[list[int]] = [[] for _ in strides]
+    for i in dims:
+        if out_shape and all(st[-1] == s[i] * shape[i] for st, s in zip(out_strides, strides)):
+            out_shape[-1] *= shape[i]
+            for st, s in zip(out_strides, strides):
+                st[-1] = s[i]
+        else:
+            out_shape.append(shape[i])
+            for st, s in zip(out_strides, strides):
+                st.append(s[i])
+    return out_shape, out_strides
+
+
+def _fake_add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(torch.broadcast_shapes(x.shape, y.shape), dtype=torch.result_type(x, y))
+
+
+@runtime.custom_op("add_fwd", fake=_fake_add_fwd)
+def add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out_shape = torch.broadcast_shapes(x.shape, y.shape)
+    out = runtime.empty(out_shape, torch.result_type(x, y), x.device)
+    n = out.numel()
+    if n == 0:
+        return out
+    xe, ye = x.expand(out_shape), y.expand(out_shape)
+    sizes, (xs, ys) = collapse_dims(tuple(out_shape), xe.stride(), ye.stride())
+    contiguous = xe.is_contiguous() and ye.is_contiguous()
+    if not contiguous and len(sizes) > MAX_STRIDED_DIMS:
+        xe, ye = xe.contiguous(), ye.contiguous()
+        contiguous = True
+    if contiguous:
+        sizes, xs, ys = [n], [1], [1]
+    pad = MAX_STRIDED_DIMS - len(sizes)
+    sizes, xs, ys = [1] * pad + sizes, [0] * pad + xs, [0] * pad + ys
+    block = 4096
+    grid = (triton.cdiv(n, block),)
+    _add_fwd_kernel[grid](
+        xe, ye, out, n, sizes[1], sizes[2], sizes[3], *xs, *ys,
+        CONTIGUOUS=contiguous, INDEX_64=runtime.needs_int64(out, xe, ye),
+        IS_FLOAT=out.dtype.is_floating_point, BLOCK=block, num_warps=8,
+    )
+    return out
+
+
+class AddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.shapes = (x.shape, y.shape)
+        ctx.dtypes = (x.dtype, y.dtype)
+        return add_fwd(x, y)
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = []
+        for shape, dtype, needed in zip(ctx.shapes, ctx.dtypes, ctx.needs_input_grad):
+            grads.append(dout.sum_to_size(shape).to(dtype) if needed else None)
+        return tuple(grads)
+
+
+def add(x: torch.Tensor, y: torch.Tensor | float | int) -> torch.Tensor:
+    """x + y with broadcasting, for float32, float16, bfloat16 and int32 (torch's type promotion)."""
+    runtime.check_tensor("x", x, DTYPES)
+    if not isinstance(y, torch.Tensor):
+        if not isinstance(y, (int, float)) or isinstance(y, bool):
+            raise TypeError(f"y must be a torch.Tensor or a Python number, got {type(y).__name__}")
+        y = torch.tensor(y, dtype=torch.result_type(x, y), device=x.device)
+    runtime.check_tensor("y", y, DTYPES)
+    runtime.check_same_device(x=x, y=y)
+    try:
+        torch.broadcast_shapes(x.shape, y.shape)
+    except RuntimeError:
+        raise ValueError(f"x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} do not broadcast") from None
+    if torch.result_type(x, y) not in DTYPES:
+        raise TypeError(f"x + y would have dtype {torch.result_type(x, y)}, which add does not support")
+    return AddFunction.apply(x, y)
+
+
+def add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+def _test_cases() -> list[TestCase]:
+    def case(id, xs, ys, dtype, ydtype=None, transpose_x=False, grad=True, gpu_only=False):
+        def make(device):
+            def draw(shape, dt):
+                if dt == torch.int32:
+                    return torch.randint(-1000, 1000, shape, dtype=dt, device=device)
+                t = torch.randn(shape, device=device).to(dt)
+                return t.requires_grad_(grad)
+            x = draw(xs[::-1] if transpose_x else xs, dtype)
+            x = x.mT if transpose_x else x
+            return (x, draw(ys, ydtype or dtype)), {}
+        return TestCase(id, make, torch.result_type(torch.empty(0, dtype=dtype), torch.empty(0, dtype=ydtype or dtype)),
+                        grad=grad and dtype != torch.int32, gpu_only=gpu_only)
+
+    cases = []
+    for dt in DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [
+            case(f"{name}-1000", (1000,), (1000,), dt),
+            case(f"{name}-rowbcast", (3, 1023), (1023,), dt),
+            case(f"{name}-colbcast", (5, 1, 7), (3, 1), dt),
+            case(f"{name}-transposed", (33, 17), (33, 17), dt, transpose_x=True),
+        ]
+    cases += [
+        case("empty", (0, 5), (5,), torch.float32),
+        case("scalar-tensor", (7, 9), (), torch.float32),
+        case("fp16+fp32", (129,), (129,), torch.float16, torch.float32),
+        case("bf16-6d", (2, 3, 1, 4, 5, 6), (3, 4, 1, 6), torch.bfloat16),
+        case("fp32-2^24", (1 << 24,), (1 << 24,), torch.float32, gpu_only=True),
+    ]
+    return cases
+
+
+def _bench_cases() -> list[BenchCase]:
+    cases = []
+    for log_n in (12, 16, 20, 24, 26, 28):
+        n = 1 << log_n
+
+        def setup(n=n):
+            x = torch.randn(n, device=runtime.DEVICE)
+            y = torch.randn(n, device=runtime.DEVICE)
+            return Bench(
+                providers=peers.available({
+                    "tritonformer": lambda: add(x, y),
+                    "torch": lambda: x + y,
+                    "torch.compile": peers.compiled(torch.add, x, y),
+                }),
+                reference=lambda: x.double() + y.double(),
+            )
+
+        cases.append(BenchCase("add", "fwd", torch.float32, f"n=2^{log_n}", n, setup,
+                               bytes=3 * 4 * n, plot="add fp32", quick=log_n <= 16))
+    return cases
+
+
+SPEC = OpSpec(
+    name="add",
+    fn=add,
+    reference=add_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="elementwise",
+)

@@ -1,0 +1,649 @@
+"""Matrix product with a fused epilogue: out = act((a * scale_a) @ (b * scale_b) + bias).
+
+a is (..., M, K); b is (K, N) or batched (..., K, N) with batch dims broadcasting against a's.
+Operands are float32, float16, bfloat16 or float8_e4m3fn (then with per-tensor or per-row/column
+float32 scales); accumulation is float32. A float32 product uses tf32 tensor cores exactly when
+torch does (`torch.backends.cuda.matmul.allow_tf32`), and exact fp32 otherwise.
+
+One persistent kernel does all shapes: tiles in grouped order (GROUP_M rows of tiles share the
+columns of b in L2), operands read through tensor descriptors (TMA on Hopper), transposed
+operands read in place. Split-K takes over when the output has too few tiles to fill the GPU
+(small M): partial sums go to a float32 workspace and a second kernel reduces them and applies
+the epilogue. TMA needs 16-byte aligned rows; an operand whose rows are not gets copied once into
+a padded buffer (cheaper than unvectorized loads, see docs/perf-notes.md).
+
+Backward (float operands): dpre = dout * act'(pre), da = dpre @ b^T, db = a^T @ dpre,
+dbias = sum of dpre over rows; both products run on the same kernel, transposes read in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+FP8 = torch.float8_e4m3fn
+OPERAND_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
+ACTIVATIONS = {None: 0, "relu": 1, "leaky_relu": 2, "gelu": 3, "gelu_tanh": 4, "silu": 5}
+SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR = 0, 1, 2
+# Split K only when fewer output tiles than this fraction of the SMs would run.
+SPLIT_K_MAX = 8
+SPLIT_K_MIN_K_PER_SPLIT = 512
+
+
+def _configs():
+    def cfg(bm, bn, bk, stages, warps, group=8):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                             num_stages=stages, num_warps=warps)
+
+    if runtime.INTERPRET:
+        return [cfg(32, 32, 32, 1, 4, group=2)]
+    return [
+        cfg(128, 256, 64, 3, 8),
+        cfg(256, 128, 64, 3, 8),
+        cfg(128, 128, 64, 4, 8),
+        cfg(128, 128, 128, 3, 8),
+        cfg(128, 256, 128, 2, 8),
+        cfg(64, 128, 64, 4, 4),
+        cfg(64, 256, 64, 4, 4),
+        cfg(64, 64, 128, 4, 4),
+        cfg(128, 128, 32, 4, 8),
+        cfg(64, 128, 32, 4, 4),
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles that cannot fit the dtype in shared memory or are much taller than M."""
+    M, elt = named_args["M"], named_args["a_ptr"].element_size()
+    kept = []
+    for c in configs:
+        kw = c.kwargs
+        smem = (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elt * c.num_stages
+        if smem > 220 * 1024:
+            continue
+        if kw["BLOCK_M"] > 64 and M <= 64:
+            continue
+        if elt == 4 and kw["BLOCK_K"] > 32:
+            continue
+        if elt == 1 and kw["BLOCK_K"] < 64:
+            continue
+        kept.append(c)
+    return kept or configs[-1:]
+
+
+@triton.jit
+def _activate(x, ACTIVATION: tl.constexpr, negative_slope):
+    if ACTIVATION == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == 2:
+        x = tl.where(x >= 0, x, x * negative_slope)
+    elif ACTIVATION == 3:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 4:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = x * tl.sigmoid(2.0 * inner)  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
+    elif ACTIVATION == 5:
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def _epilogue_store(
+    acc, rm, rn, M, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr, negative_slope,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+):
+    """Scale, add bias, activate and store one float32 tile (c and pre share strides)."""
+    if SCALE_A == 1:
+        acc = acc * tl.load(scale_a_ptr)
+    elif SCALE_A == 2:
+        acc = acc * tl.load(scale_a_ptr + rm, mask=rm < M, other=0.0)[:, None]
+    if SCALE_B == 1:
+        acc = acc * tl.load(scale_b_ptr)
+    elif SCALE_B == 2:
+        acc = acc * tl.load(scale_b_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if STORE_PRE:
+        tl.store(pre_ptr + offs, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+    acc = _activate(acc, ACTIVATION, negative_slope)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@runtime.autotune(
+    configs=_configs(),
+    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, pre_ptr, ws_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+    BATCH, M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
+    negative_slope,
+    A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    if A_TRANS:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[BATCH, K, M], strides=[stride_ab, stride_ak, stride_am],
+                                           block_shape=[1, BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[BATCH, M, K], strides=[stride_ab, stride_am, stride_ak],
+                                           block_shape=[1, BLOCK_M, BLOCK_K])
+    if B_TRANS:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[BATCH, N, K], strides=[stride_bb, stride_bn, stride_bk],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[BATCH, K, N], strides=[stride_bb, stride_bk, stride_bn],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_matrix = tiles_m * tiles_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    num_tiles = BATCH * SPLIT_K * tiles_per_matrix
+    tiles_per_group = GROUP_M * tiles_n
+
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        matrix = tile // tiles_per_matrix
+        batch = matrix // SPLIT_K
+        split = matrix % SPLIT_K
+        t = tile % tiles_per_matrix
+        first_m = (t // tiles_per_group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (t % tiles_per_group) % group_rows
+        pid_n = (t % tiles_per_group) // group_rows
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        k_begin = split * k_tiles_per_split
+        k_end = tl.minimum(k_begin + k_tiles_per_split, k_tiles)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_begin, k_end):
+            off_k = kt * BLOCK_K
+            if A_TRANS:
+                a = a_desc.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
+            else:
+                a = a_desc.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
+            if B_TRANS:
+                b = b_desc.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b = b_desc.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        if SPLIT_K > 1:
+            ws_offs = (split.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
+            tl.store(ws_ptr + ws_offs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        else:
+            _epilogue_store(
+                acc, rm, rn, M, N, c_ptr + batch.to(tl.int64) * stride_cb, pre_ptr + batch.to(tl.int64) * stride_cb,
+                stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr, negative_slope,
+                HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE,
+            )
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr, c_ptr, pre_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, negative_slope,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr,
+    SCALE_B: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(ws_ptr + (split * M + rm.to(tl.int64)[:, None]) * N + rn[None, :], mask=mask, other=0.0)
+    _epilogue_store(acc, rm, rn, M, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr,
+                    negative_slope, HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE)
+
+
+def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(operand, transposed) where the operand's inner matrix is row-major (transposed=False) or
+    column-major (True) with 16-byte aligned base and strides, as TMA requires. Copies into a
+    padded row-major buffer only when `t` is neither."""
+    elt = t.element_size()
+    align = 16 // elt
+
+    def ok(strides_outer):
+        return t.data_ptr() % 16 == 0 and all(s % align == 0 and s > 0 for s in strides_outer)
+
+    sb, sr, sc = t.stride()
+    if sc == 1 and ok((sb, sr)) or t.shape[-1] == 1 and ok((sb, sr)):
+        return t, False
+    if sr == 1 and ok((sb, sc)):
+        return t, True
+    batch, rows, cols = t.shape
+    padded_cols = -(-cols // align) * align
+    buf = torch.empty((batch, rows, padded_cols), dtype=t.dtype, device=t.device)[..., :cols]
+    buf.copy_(t)
+    return buf, False
+
+
+def _split_k(M: int, N: int, K: int, batch: int) -> int:
+    tiles = batch * math.ceil(M / 64) * math.ceil(N / 128)
+    sms = runtime.num_sms()
+    if batch > 1 or tiles * 2 > sms:
+        return 1
+    split = min(SPLIT_K_MAX, sms // tiles, K // SPLIT_K_MIN_K_PER_SPLIT)
+    return max(split, 1)
+
+
+def _scale_mode(scale: torch.Tensor | None) -> int:
+    if scale is None:
+        return SCALE_NONE
+    return SCALE_TENSOR if scale.numel() == 1 else SCALE_VECTOR
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _launch(a3, b3, c3, pre3, bias, scale_a, scale_b, activation: int, negative_slope: float) -> None:
+    """c3[i] = epilogue(a3[i] @ b3[i]) for 3-D operands of one batch size (b3's batch may be 1)."""
+    batch, M, K = a3.shape
+    N = b3.shape[2]
+    if b3.shape[0] != batch:
+        b3 = b3.expand(batch, K, N)
+    a3, a_trans = _tma_operand(a3)
+    b3, b_trans = _tma_operand(b3)
+    split_k = _split_k(M, N, K, batch)
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a3.device) if split_k > 1 else c3
+    dummy = c3
+    runtime.ensure_tma_allocator()
+    epilogue = dict(
+        HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=_scale_mode(scale_a), SCALE_B=_scale_mode(scale_b),
+        STORE_PRE=pre3 is not None,
+    )
+
+    def grid(meta):
+        tiles = batch * split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, runtime.num_sms()),)
+
+    # Programs: one per SM; the autotuner sees NUM_PROGRAMS only through the grid.
+    _matmul_kernel[grid](
+        a3, b3, c3, pre3 if pre3 is not None else dummy, ws, bias if bias is not None else dummy,
+        scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
+        batch, M, N, K, *a3.stride(), *b3.stride(), *c3.stride(), negative_slope,
+        A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, **epilogue,
+        UPCAST=runtime.INTERPRET and a3.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a3.dtype),
+        NUM_PROGRAMS=runtime.num_sms(),
+    )
+    if split_k > 1:
+        c2, pre2 = c3[0], (pre3[0] if pre3 is not None else dummy)
+        block = 32 if runtime.INTERPRET else 64
+        _split_k_reduce_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](
+            ws, c2, pre2, bias if bias is not None else dummy, scale_a if scale_a is not None else dummy,
+            scale_b if scale_b is not None else dummy, M, N, c2.stride(0), c2.stride(1), negative_slope,
+            SPLIT_K=split_k, **epilogue, BLOCK_M=block, BLOCK_N=block,
+        )
+
+
+def _output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return (*batch, a.shape[-2], b.shape[-1])
+
+
+def _out_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if a.dtype == FP8 else a.dtype
+
+
+def _fake_matmul_fwd(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre):
+    out = a.new_empty(_output_shape(a, b), dtype=_out_dtype(a, out_dtype))
+    return out, (torch.empty_like(out) if store_pre else out.new_empty(0))
+
+
+@runtime.custom_op("matmul_fwd", fake=_fake_matmul_fwd)
+def matmul_fwd(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None, activation: int, negative_slope: float, out_dtype: torch.dtype | None,
+    store_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, pre-activation or an empty tensor). `activation` is a code from ACTIVATIONS."""
+    shape = _output_shape(a, b)
+    dtype = _out_dtype(a, out_dtype)
+    out = runtime.empty(shape, dtype, a.device)
+    pre = runtime.empty(shape, dtype, a.device) if store_pre else out.new_empty(0)
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    if out.numel() == 0:
+        return out, pre
+    if K == 0:
+        _empty_k_epilogue(out, pre if store_pre else None, bias, activation, negative_slope)
+        return out, pre
+    if b.dim() == 2:
+        # Every row of a meets the same b: one (rows, K) x (K, N) product.
+        a3 = a.reshape(1, -1, K)
+        _launch(a3, b.unsqueeze(0), out.view(1, -1, N), pre.view(1, -1, N) if store_pre else None,
+                bias, scale_a, scale_b, activation, negative_slope)
+    else:
+        batch = shape[:-2]
+        a3 = a.expand(*batch, M, K).reshape(-1, M, K)
+        b3 = b.expand(*batch, K, N).reshape(-1, K, N)
+        _launch(a3, b3, out.view(-1, M, N), pre.view(-1, M, N) if store_pre else None,
+                bias, scale_a, scale_b, activation, negative_slope)
+    return out, pre
+
+
+def _empty_k_epilogue(out, pre, bias, activation, negative_slope):
+    """A product over K = 0 is all zeros, then the epilogue."""
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    if bias is not None:
+        acc = acc + bias.float()
+    if pre is not None:
+        pre.copy_(acc)
+    out.copy_(_activation_reference(acc, activation, negative_slope))
+
+
+def activation_grad(pre: torch.Tensor, dout: torch.Tensor, activation: int, negative_slope: float) -> torch.Tensor:
+    """dout * act'(pre), computed in float32."""
+    if activation == 0:
+        return dout
+    with torch.enable_grad():
+        x = pre.detach().float().requires_grad_(True)
+        y = _activation_reference(x, activation, negative_slope)
+        (grad,) = torch.autograd.grad(y, x, dout.float())
+    return grad.to(dout.dtype)
+
+
+def _activation_reference(x: torch.Tensor, activation: int, negative_slope: float) -> torch.Tensor:
+    F = torch.nn.functional
+    if activation == 1:
+        return F.relu(x)
+    if activation == 2:
+        return F.leaky_relu(x, negative_slope)
+    if activation == 3:
+        return F.gelu(x)
+    if activation == 4:
+        return F.gelu(x, approximate="tanh")
+    if activation == 5:
+        return F.silu(x)
+    return x
+
+
+class MatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        out, pre = matmul_fwd(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype,
+                              needs_grad and activation != 0)
+        ctx.save_for_backward(a, b, pre if activation != 0 else None)
+        ctx.activation, ctx.negative_slope, ctx.has_bias = activation, negative_slope, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, b, pre = ctx.saved_tensors
+        if a.dtype == FP8:
+            raise NotImplementedError("matmul has no backward for float8 operands")
+        dpre = activation_grad(pre, dout, ctx.activation, ctx.negative_slope) if ctx.activation else dout
+        dpre = dpre.to(a.dtype)
+        da = db = dbias = None
+        if ctx.needs_input_grad[0]:
+            da = matmul(dpre, b.mT).sum_to_size(a.shape) if b.dim() > 2 else matmul(dpre, b.mT)
+        if ctx.needs_input_grad[1]:
+            if b.dim() == 2:
+                db = matmul(a.reshape(-1, a.shape[-1]).mT, dpre.reshape(-1, dpre.shape[-1]))
+            else:
+                db = matmul(a.mT, dpre).sum_to_size(b.shape)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = dpre.reshape(-1, dpre.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return da, db, dbias, None, None, None, None, None
+
+
+def _check_scale(name: str, scale, length: int, what: str) -> None:
+    if scale is None:
+        return
+    runtime.check_tensor(name, scale, (torch.float32,))
+    one_value = scale.numel() == 1
+    one_per = scale.numel() == length and sum(d != 1 for d in scale.shape) == 1
+    if not (one_value or one_per):
+        raise ValueError(f"{name} must hold one value or one per {what} ({length}), got shape {tuple(scale.shape)}")
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    negative_slope: float = 0.01,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """act((a * scale_a) @ (b * scale_b) + bias).
+
+    a: (..., M, K); b: (K, N) or (..., K, N), same dtype as a (float32, float16, bfloat16 or
+    float8_e4m3fn). bias: (N,). activation: None, "relu", "leaky_relu" (negative_slope), "gelu"
+    (erf), "gelu_tanh" or "silu". scale_a / scale_b (float32, float8 operands): one value, or one
+    per row of a (M) / per column of b (N). out_dtype defaults to a's dtype, bfloat16 for float8.
+    """
+    runtime.check_tensor("a", a, OPERAND_DTYPES, min_dim=2)
+    runtime.check_tensor("b", b, OPERAND_DTYPES, min_dim=2)
+    runtime.check_same_device(a=a, b=b, bias=bias, scale_a=scale_a, scale_b=scale_b)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)}: a.shape[-1] must equal b.shape[-2]")
+    try:
+        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} do not broadcast") from None
+    M, N = a.shape[-2], b.shape[-1]
+    if bias is not None:
+        runtime.check_tensor("bias", bias, runtime.FLOAT_DTYPES)
+        if bias.shape != (N,):
+            raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if a.dtype == FP8:
+        if b.dim() > 2:
+            raise ValueError("float8 matmul takes a 2-D b (K, N); batch the rows of a instead")
+        _check_scale("scale_a", scale_a, math.prod(a.shape[:-1]), "row of a")
+        _check_scale("scale_b", scale_b, N, "column of b")
+        scale_a = scale_a.reshape(-1).contiguous() if scale_a is not None else None
+        scale_b = scale_b.reshape(-1).contiguous() if scale_b is not None else None
+    elif scale_a is not None or scale_b is not None:
+        raise ValueError("scale_a and scale_b apply to float8_e4m3fn operands only")
+    if out_dtype is not None and out_dtype not in runtime.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of float32, float16, bfloat16, got {out_dtype}")
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return MatmulFunction.apply(a, b, bias, scale_a, scale_b, ACTIVATIONS[activation], float(negative_slope), out_dtype)
+
+
+def matmul_reference(a, b, bias=None, activation=None, *, negative_slope=0.01, scale_a=None, scale_b=None,
+                     out_dtype=None):
+    """The same function in PyTorch, computed in a's dtype promoted to at least float32."""
+    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
+    a, b = a.to(compute), b.to(compute)
+    if scale_a is not None:
+        a = a * scale_a.to(compute).reshape(*a.shape[:-1], 1) if scale_a.numel() > 1 else a * scale_a.to(compute)
+    if scale_b is not None:
+        b = b * scale_b.to(compute).reshape(1, -1) if scale_b.numel() > 1 else b * scale_b.to(compute)
+    out = a @ b
+    if bias is not None:
+        out = out + bias.to(compute)
+    return _activation_reference(out, ACTIVATIONS[activation], negative_slope)
+
+
+def _test_cases() -> list[TestCase]:
+    def rand(shape, dtype, device, grad=True):
+        return torch.randn(shape, device=device).to(dtype).requires_grad_(grad and dtype != FP8)
+
+    def case(id, a_shape, b_shape, dtype, *, bias=False, activation=None, b_transposed=False, a_transposed=False,
+             fp8_scales=None, out_dtype=None, gpu_only=False):
+        def make(device):
+            a = rand(a_shape[:-2] + a_shape[-2:][::-1], dtype, device).mT if a_transposed else rand(a_shape, dtype, device)
+            if b_transposed:
+                b = rand(b_shape[:-2] + b_shape[-2:][::-1], dtype, device).mT
+            else:
+                b = rand(b_shape, dtype, device)
+            kwargs = {}
+            if bias:
+                kwargs["bias"] = rand((b_shape[-1],), dtype if dtype != FP8 else torch.bfloat16, device)
+            if activation:
+                kwargs["activation"] = activation
+            if fp8_scales == "tensor":
+                kwargs["scale_a"] = torch.rand((), device=device) + 0.5
+                kwargs["scale_b"] = torch.rand((), device=device) + 0.5
+            elif fp8_scales == "row":
+                kwargs["scale_a"] = torch.rand(math.prod(a_shape[:-1]), 1, device=device) + 0.5
+                kwargs["scale_b"] = torch.rand(1, b_shape[-1], device=device) + 0.5
+            if out_dtype is not None:
+                kwargs["out_dtype"] = out_dtype
+            return (a, b), kwargs
+
+        expected_dtype = out_dtype or (torch.bfloat16 if dtype == FP8 else dtype)
+        return TestCase(id, make, expected_dtype, grad=dtype != FP8, gpu_only=gpu_only)
+
+    cases = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        name = str(dt).replace("torch.", "")
+        cases += [
+            case(f"{name}-64x64x64", (64, 64), (64, 64), dt),
+            case(f"{name}-odd-37x45x53", (37, 53), (53, 45), dt),
+            case(f"{name}-bias-gelu", (40, 48), (48, 72), dt, bias=True, activation="gelu"),
+            case(f"{name}-bT", (33, 64), (64, 40), dt, b_transposed=True),
+            case(f"{name}-aT-bT", (24, 40), (40, 56), dt, a_transposed=True, b_transposed=True),
+            case(f"{name}-batched", (3, 20, 32), (3, 32, 24), dt),
+            case(f"{name}-splitk-8x16x2048", (8, 2048), (2048, 16), dt, bias=True, activation="silu"),
+            case(f"{name}-1024x1024x1024", (1024, 1024), (1024, 1024), dt, gpu_only=True),
+            case(f"{name}-4095x4097x4093", (4095, 4093), (4093, 4097), dt, gpu_only=True),
+            case(f"{name}-16x4096x4096", (16, 4096), (4096, 4096), dt, bias=True, gpu_only=True),
+            case(f"{name}-batched-8x512x512", (8, 512, 512), (8, 512, 512), dt, gpu_only=True),
+        ]
+    for act in ("relu", "leaky_relu", "gelu_tanh", "silu"):
+        cases.append(case(f"bf16-{act}", (24, 32), (32, 40), torch.bfloat16, bias=True, activation=act))
+    cases += [
+        case("fp32-3d-a-2d-b", (2, 5, 24), (24, 16), torch.float32, bias=True),
+        case("fp32-broadcast-batch", (2, 1, 9, 16), (3, 16, 8), torch.float32),
+        case("fp32-k1", (5, 1), (1, 7), torch.float32),
+        case("fp8-tensor-scales", (40, 64), (64, 48), FP8, b_transposed=True, fp8_scales="tensor"),
+        case("fp8-row-scales-bias", (2, 20, 64), (64, 48), FP8, b_transposed=True, fp8_scales="row", bias=True),
+        case("fp8-row-major-b-fp32-out", (32, 64), (64, 32), FP8, fp8_scales="tensor", out_dtype=torch.float32),
+        case("fp8-4096x4096x4096", (4096, 4096), (4096, 4096), FP8, b_transposed=True, fp8_scales="row",
+             gpu_only=True),
+    ]
+    return cases
+
+
+MATMUL_SHAPES = [  # (batch, M, N, K)
+    (1, 1024, 1024, 1024), (1, 4096, 4096, 4096), (1, 8192, 8192, 8192), (1, 8192, 12288, 4096),
+    (1, 8192, 4096, 11008), (1, 16, 4096, 4096), (1, 128, 4096, 4096), (1, 4095, 4097, 4093), (32, 512, 512, 512),
+]
+QUICK_SHAPES = [(1, 64, 64, 64), (1, 37, 45, 53), (2, 32, 32, 32)]
+
+
+def _shape_label(batch, M, N, K):
+    return f"{batch}x{M}x{N}x{K}" if batch > 1 else f"{M}x{N}x{K}"
+
+
+def _bench_cases() -> list[BenchCase]:
+    cases = []
+    dev = runtime.DEVICE
+    for dtype in (torch.bfloat16, torch.float16):
+        dname = "bf16" if dtype == torch.bfloat16 else "fp16"
+        for quick, shapes in ((True, QUICK_SHAPES), (False, MATMUL_SHAPES)):
+            for i, (batch, M, N, K) in enumerate(shapes):
+                def setup(batch=batch, M=M, N=N, K=K, dtype=dtype):
+                    lead = (batch,) if batch > 1 else ()
+                    a = torch.randn(*lead, M, K, device=dev, dtype=dtype)
+                    b = torch.randn(*lead, K, N, device=dev, dtype=dtype)
+                    return Bench(
+                        providers={"tritonformer": lambda: matmul(a, b), "cuBLAS": lambda: torch.matmul(a, b)},
+                        reference=lambda: torch.matmul(a.float(), b.float()),
+                    )
+
+                cases.append(BenchCase("matmul", "fwd", dtype, _shape_label(batch, M, N, K), i, setup,
+                                       flops=2 * batch * M * N * K, plot=f"{dname} (x: shape index)", quick=quick))
+
+    for act in ("relu", "gelu", "gelu_tanh", "silu", None):
+        for M, N, K in ((64, 64, 64), (4096, 4096, 4096), (8192, 8192, 8192)):
+            quick = M == 64
+
+            def setup_act(M=M, N=N, K=K, act=act):
+                a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+                b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+                bias = torch.randn(N, device=dev, dtype=torch.bfloat16)
+                code = ACTIVATIONS[act]
+
+                def cublas_then_torch():
+                    return _activation_reference(torch.addmm(bias, a, b), code, 0.01)
+
+                def fused_reference():
+                    return matmul_reference(a, b, bias, act)
+
+                return Bench(
+                    providers=peers.available({
+                        "tritonformer": lambda: matmul(a, b, bias, act),
+                        "cuBLAS+torch": cublas_then_torch,
+                        "torch.compile": peers.compiled(fused_reference),
+                    }),
+                    reference=fused_reference,
+                )
+
+            cases.append(BenchCase("matmul", "fwd", torch.bfloat16, f"{M}x{N}x{K} bias+{act or 'none'}", M, setup_act,
+                                   flops=2 * M * N * K, plot=f"bf16 bias+{act or 'none'}", quick=quick))
+
+    for M, N, K in ((64, 64, 64), (4096, 4096, 4096), (8192, 8192, 8192)):
+        def setup_fp8(M=M, N=N, K=K):
+            a = torch.randn(M, K, device=dev).to(FP8)
+            b = torch.randn(N, K, device=dev).to(FP8).t()
+            scale_a = torch.rand(M, 1, device=dev) + 0.5
+            scale_b = torch.rand(1, N, device=dev) + 0.5
+            providers = {"tritonformer": lambda: matmul(a, b, scale_a=scale_a, scale_b=scale_b)}
+            if not runtime.INTERPRET:
+                providers["torch._scaled_mm"] = lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+            return Bench(providers=providers,
+                         reference=lambda: matmul_reference(a, b, scale_a=scale_a, scale_b=scale_b))
+
+        cases.append(BenchCase("matmul", "fwd", FP8, f"{M}x{N}x{K} rowwise", M, setup_fp8, flops=2 * M * N * K,
+                               plot="fp8 e4m3 row-wise scales", quick=M == 64))
+
+    for M, N, K in ((64, 64, 64), (4096, 4096, 4096)):
+        def setup_bwd(M=M, N=N, K=K):
+            a = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            b = torch.randn(K, N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            dout = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+
+            def run(fn):
+                return lambda: torch.autograd.grad(fn(a, b), (a, b), dout)
+
+            return Bench(providers={"tritonformer": run(matmul), "cuBLAS": run(torch.matmul)},
+                         reference=lambda: (dout.double() @ b.double().T, a.double().T @ dout.double()))
+
+        cases.append(BenchCase("matmul", "fwd+bwd", torch.bfloat16, f"{M}x{N}x{K}", M, setup_bwd,
+                               flops=3 * 2 * M * N * K, plot="bf16 forward+backward", quick=M == 64))
+    return cases
+
+
+SPEC = OpSpec(
+    name="matmul",
+    fn=matmul,
+    reference=matmul_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="norm",
+)

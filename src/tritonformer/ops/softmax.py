@@ -1,0 +1,296 @@
+"""Softmax along one dimension, forward and backward.
+
+    y  = exp(x - max(x)) / sum(exp(x - max(x)))
+    dx = y * (dy - sum(y * dy))
+
+Rows up to FUSED_MAX_N elements live in registers: the forward reads x once and writes y once,
+the backward reads y and dy once and writes dx once. Longer rows take a looped kernel: an online
+pass for max and sum (or for sum(y * dy)), then a pass that writes; the second read of the row
+mostly hits L2. Arithmetic is fp32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+# A 32-warp program holds 32768 fp32 values in 32 registers per thread: the largest row kept
+# on chip without spilling.
+FUSED_MAX_N = 32768
+LOOP_CHUNK = 4096
+# Aim for this many elements per program: enough loads in flight per thread.
+ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr, y_ptr, M, N, stride_xm, stride_xn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :] * stride_xn, mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_looped_kernel(x_ptr, y_ptr, N, stride_xm, stride_xn, stride_ym, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    y_row = y_ptr + row * stride_ym
+    cols = tl.arange(0, CHUNK)
+    # Per-lane running max and sum; lanes are combined once at the end.
+    m = tl.full((CHUNK,), -float("inf"), tl.float32)
+    s = tl.zeros((CHUNK,), tl.float32)
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        x = tl.load(x_row + offs * stride_xn, mask=offs < N, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # Lanes that have seen only -inf keep s = 0 (avoid exp(-inf - -inf) = nan).
+        s = s * tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new)) + tl.where(
+            m_new == -float("inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    row_sum = tl.sum(s * tl.where(m == -float("inf"), 0.0, tl.exp(m - row_max)), axis=0)
+    inv_sum = 1.0 / row_sum
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        x = tl.load(x_row + offs * stride_xn, mask=offs < N, other=-float("inf")).to(tl.float32)
+        tl.store(y_row + offs, (tl.exp(x - row_max) * inv_sum).to(y_ptr.dtype.element_ty), mask=offs < N)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    y_ptr, dy_ptr, dx_ptr, M, N, stride_ym, stride_dym, stride_dyn, stride_dxm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)[:, None]
+    y = tl.load(y_ptr + rows64 * stride_ym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.sum(y * dy, axis=1)
+    dx = y * (dy - dot[:, None])
+    tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(
+    y_ptr, dy_ptr, dx_ptr, N, stride_ym, stride_dym, stride_dyn, stride_dxm, CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros((CHUNK,), tl.float32)
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        y = tl.load(y_ptr + row * stride_ym + offs, mask=offs < N, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dym + offs * stride_dyn, mask=offs < N, other=0.0).to(tl.float32)
+        acc += y * dy
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        y = tl.load(y_ptr + row * stride_ym + offs, mask=offs < N, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dym + offs * stride_dyn, mask=offs < N, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dxm + offs, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=offs < N)
+
+
+def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A (rows, N) view of `t` with `dim` last; copies only when the other dims cannot be
+    flattened into one stride."""
+    moved = t.movedim(dim, -1)
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def _rows_output(t: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous (rows, N) buffer and the view of it shaped and ordered like `t`."""
+    moved_shape = t.movedim(dim, -1).shape
+    flat = runtime.empty((math.prod(moved_shape[:-1]), moved_shape[-1]), dtype, t.device)
+    return flat, flat.view(moved_shape).movedim(-1, dim)
+
+
+def _launch_shape(n: int) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps for a row-in-registers launch over rows of n elements."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, ELEMENTS_PER_PROGRAM // block_n)
+    num_warps = min(32, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def _fake_like(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.empty_like(t.movedim(dim, -1), memory_format=torch.contiguous_format).movedim(-1, dim)
+
+
+def _fake_softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _fake_like(x, dim)
+
+
+@runtime.custom_op("softmax_fwd", fake=_fake_softmax_fwd)
+def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    y_rows, y = _rows_output(x, dim, x.dtype)
+    if x.numel() == 0:
+        return y
+    x_rows = _as_rows(x, dim)
+    M, N = x_rows.shape
+    if N <= FUSED_MAX_N:
+        block_m, block_n, num_warps = _launch_shape(N)
+        _softmax_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x_rows, y_rows, M, N, x_rows.stride(0), x_rows.stride(1), y_rows.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    else:
+        _softmax_fwd_looped_kernel[(M,)](
+            x_rows, y_rows, N, x_rows.stride(0), x_rows.stride(1), y_rows.stride(0),
+            CHUNK=LOOP_CHUNK, num_warps=8,
+        )
+    return y
+
+
+def _fake_softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    return _fake_like(y, dim)
+
+
+@runtime.custom_op("softmax_bwd", fake=_fake_softmax_bwd)
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    dx_rows, dx = _rows_output(y, dim, y.dtype)
+    if y.numel() == 0:
+        return dx
+    y_rows, dy_rows = _as_rows(y, dim), _as_rows(dy, dim)
+    if y_rows.stride(1) != 1:
+        y_rows = y_rows.contiguous()
+    M, N = y_rows.shape
+    if N <= FUSED_MAX_N:
+        block_m, block_n, num_warps = _launch_shape(N)
+        _softmax_bwd_kernel[(triton.cdiv(M, block_m),)](
+            y_rows, dy_rows, dx_rows, M, N, y_rows.stride(0), dy_rows.stride(0), dy_rows.stride(1),
+            dx_rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    else:
+        _softmax_bwd_looped_kernel[(M,)](
+            y_rows, dy_rows, dx_rows, N, y_rows.stride(0), dy_rows.stride(0), dy_rows.stride(1),
+            dx_rows.stride(0), CHUNK=LOOP_CHUNK, num_warps=8,
+        )
+    return dx
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        y = softmax_fwd(x, dim)
+        ctx.save_for_backward(y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_bwd(y, dy, ctx.dim), None
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax of `x` along `dim` (float32, float16, bfloat16), computed in float32."""
+    runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
+    return SoftmaxFunction.apply(x, dim % x.dim())
+
+
+def softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x, dim=dim)
+
+
+def _softmax_bwd_reference(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return y * (dy - (y * dy).sum(-1, keepdim=True))
+
+
+def _test_cases() -> list[TestCase]:
+    def case(id, shape, dtype, dim=-1, transpose=False, scale=1.0, gpu_only=False):
+        def make(device):
+            x = torch.randn(shape[::-1] if transpose else shape, device=device) * scale
+            x = x.to(dtype)
+            x = x.mT if transpose else x
+            return (x.requires_grad_(True),), {"dim": dim}
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [
+            case(f"{name}-1x1", (1, 1), dt),
+            case(f"{name}-7x123", (7, 123), dt),
+            case(f"{name}-3x5x1000", (3, 5, 1000), dt),
+            case(f"{name}-dim0", (37, 11), dt, dim=0),
+            case(f"{name}-looped-2x{FUSED_MAX_N + 77}", (2, FUSED_MAX_N + 77), dt),
+            case(f"{name}-4096x4096", (4096, 4096), dt, gpu_only=True),
+            case(f"{name}-8x262144", (8, 262144), dt, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-transposed", (40, 17), torch.float32, transpose=True),
+        case("fp32-large-logits", (4, 999), torch.float32, scale=1e4),
+        case("fp32-empty", (0, 9), torch.float32),
+    ]
+    return cases
+
+
+def _bench_cases() -> list[BenchCase]:
+    cases = []
+    grid = [(4096, n) for n in (1024, 4096, 16384, 32768)] + [(512, 131072), (256, 262144)]
+    for dtype in (torch.float32, torch.bfloat16):
+        dname = "fp32" if dtype == torch.float32 else "bf16"
+        for M, N in grid:
+            quick = N <= 4096
+
+            def setup_fwd(M=M, N=N, dtype=dtype):
+                x = torch.randn(M, N, device=runtime.DEVICE, dtype=dtype)
+                lg = peers.liger()
+                return Bench(
+                    providers=peers.available({
+                        "tritonformer": lambda: softmax(x),
+                        "torch": lambda: torch.softmax(x, -1),
+                        "torch.compile": peers.compiled(torch.softmax, x, -1),
+                        "liger": (lambda: lg.LigerSoftmaxFunction.apply(x)) if lg else None,
+                    }),
+                    reference=lambda: torch.softmax(x.double(), -1),
+                )
+
+            def setup_bwd(M=M, N=N, dtype=dtype):
+                y = torch.softmax(torch.randn(M, N, device=runtime.DEVICE), -1).to(dtype)
+                dy = torch.randn(M, N, device=runtime.DEVICE, dtype=dtype)
+                return Bench(
+                    providers=peers.available({
+                        "tritonformer": lambda: softmax_bwd(y, dy, 1),
+                        "torch": lambda: torch._softmax_backward_data(dy, y, -1, dtype),
+                        "torch.compile": peers.compiled(_softmax_bwd_reference, y, dy),
+                    }),
+                    reference=lambda: _softmax_bwd_reference(y.double(), dy.double()),
+                )
+
+            size = M * N * dtype.itemsize
+            shape = f"{M}x{N}"
+            cases.append(BenchCase("softmax", "fwd", dtype, shape, N, setup_fwd, bytes=2 * size,
+                                   plot=f"forward {dname}", quick=quick))
+            cases.append(BenchCase("softmax", "bwd", dtype, shape, N, setup_bwd, bytes=3 * size,
+                                   plot=f"backward {dname}", quick=quick))
+    return cases
+
+
+SPEC = OpSpec(
+    name="softmax",
+    fn=softmax,
+    reference=softmax_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="elementwise",
+)

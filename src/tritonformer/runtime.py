@@ -1,0 +1,141 @@
+"""Where kernels run, how they are tuned and registered, and the input checks every op shares.
+
+On a machine with a CUDA GPU the kernels compile and autotune. Without one, the same
+`@triton.jit` kernels run under Triton's interpreter on CPU tensors. The choice is made once,
+at import, before any kernel is defined (the interpreter is picked when `triton.jit` runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE: str = "cpu" if INTERPRET else "cuda"
+
+# Tests set TRITONFORMER_POISON=1 so that every output buffer starts as NaN (or the integer
+# minimum): an element a kernel forgets to write then fails the comparison.
+POISON: bool = os.environ.get("TRITONFORMER_POISON", "0") == "1"
+
+_announced = False
+
+
+def announce() -> None:
+    """Say once per process that kernels run under the interpreter."""
+    global _announced
+    if INTERPRET and not _announced:
+        _announced = True
+        warnings.warn(
+            "tritonformer: no CUDA GPU, kernels run under Triton's CPU interpreter "
+            "(correct results, not GPU speed)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.empty`, poisoned when POISON is set."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        if out.dtype.is_floating_point:
+            out.fill_(float("nan"))
+        else:
+            out.fill_(torch.iinfo(out.dtype).min)
+    return out
+
+
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return empty(t.shape, dtype or t.dtype, t.device)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int = 0) -> int:
+    """Streaming multiprocessors; under the interpreter a small number, so that persistent
+    kernels still loop over several tiles per program in tests."""
+    if INTERPRET:
+        return 3
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def autotune(configs: Iterable[triton.Config], key: list[str], **kwargs):
+    """`triton.autotune` that keeps its results on disk, and collapses to the first config
+    under the interpreter (which cannot time configs)."""
+    configs = list(configs)
+    if INTERPRET:
+        configs = configs[:1]
+        kwargs.pop("prune_configs_by", None)
+    return triton.autotune(configs=configs, key=key, cache_results=not INTERPRET, **kwargs)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=DEVICE)
+
+
+def ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need a scratch allocator. Triton keeps it in a context
+    variable, which a new thread does not inherit, so it is set before every such launch."""
+    triton.set_allocator(_tma_scratch)
+
+
+def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
+    """Register a launcher as `torch.ops.tritonformer.<name>` so that torch.compile traces it as
+    one opaque node. Eager calls skip the dispatcher (about 10 us a call) and run the launcher."""
+
+    def wrap(launcher: Callable) -> Callable:
+        op = torch.library.custom_op(f"tritonformer::{name}", launcher, mutates_args=mutates_args)
+        op.register_fake(fake)
+
+        @functools.wraps(launcher)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            return launcher(*args, **kwargs)
+
+        call.op = op
+        return call
+
+    return wrap
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES, min_dim: int = 0) -> None:
+    """Raise TypeError/ValueError naming `name` when `t` is not a tensor on the kernel device
+    with one of `dtypes` and at least `min_dim` dimensions."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {_dtype_names(dtypes)}")
+    if t.device.type != DEVICE:
+        where = "a CUDA device" if DEVICE == "cuda" else "the CPU (no GPU here: Triton's interpreter runs the kernels)"
+        raise ValueError(f"{name} is on {t.device}; tritonformer kernels need it on {where}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+    announce()
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for n, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}")
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into any of these tensors' storage can pass 2^31 - 1."""
+    return any(t.untyped_storage().nbytes() // t.element_size() >= 2**31 for t in tensors)

@@ -1,0 +1,61 @@
+"""The records that an op file fills in and the registry collects: what to test, what to time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+Thunk = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class TestCase:
+    """One input configuration for the generic registry tests.
+
+    `make(device)` draws fresh random inputs and returns `(args, kwargs)` for both the op and its
+    reference; floating tensors among `args` that require grad get their gradients checked.
+    """
+
+    id: str
+    make: Callable[[str], tuple[tuple, dict]]
+    dtype: torch.dtype
+    grad: bool = True
+    gpu_only: bool = False
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What a benchmark case builds on the device: one thunk per provider, each doing the same
+    work (forward, backward or both) on the same inputs, and a float64 reference thunk whose
+    result the first provider's result is checked against."""
+
+    providers: dict[str, Thunk]
+    reference: Thunk | None = None
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    op: str
+    mode: str  # "fwd", "bwd" or "fwd+bwd"
+    dtype: torch.dtype
+    shape: str  # label, e.g. "4096x1024"
+    x: int  # position on the plot's x axis
+    setup: Callable[[], Bench]
+    bytes: int = 0  # fewest bytes the work must move (GB/s is reported when > 0)
+    flops: int = 0  # floating-point operations (TFLOP/s is reported when > 0)
+    plot: str = ""  # plots group cases with the same `plot` name into one panel
+    quick: bool = False  # part of the quick grid (CPU runs and smoke tests)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    fn: Callable
+    reference: Callable
+    test_cases: Callable[[], list[TestCase]]
+    bench_cases: Callable[[], list[BenchCase]]
+    # "elementwise": every element within atol + rtol*|ref|; "norm": ||out - ref|| / ||ref||
+    compare: str = "elementwise"
+    notes: dict[str, str] = field(default_factory=dict)

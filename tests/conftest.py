@@ -1,0 +1,25 @@
+import os
+
+# Every output buffer a launcher allocates starts as NaN, so an unwritten element fails.
+os.environ["TRITONFORMER_POISON"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tritonformer import runtime  # noqa: E402
+
+ON_GPU = not runtime.INTERPRET
+
+
+@pytest.fixture
+def device() -> str:
+    return runtime.DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # A different seed per test, stable per test id: fresh data, reproducible failures.
+    torch.manual_seed(hash(request.node.nodeid) % 2**31)
+
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (large shapes, compiled kernels)")
