@@ -23,6 +23,7 @@ class TestCase:
     dtype: torch.dtype
     grad: bool = True
     gpu_only: bool = False
+    tolerance: object = None  # key into testing's tables when not `dtype` (e.g. "fp8")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ NORMWISE = {
     "tf32": 2e-3,
     torch.float16: 2e-3,
     torch.bfloat16: 1.2e-2,
+    # Hopper's fp8 tensor cores accumulate each MMA with about 14 mantissa bits (2^-14 = 6e-5),
+    # seen as 7e-5 here for K = 64 with float32 output; torch._scaled_mm has the same limit.
+    "fp8": 3e-4,
 }
 
 
@@ -37,19 +40,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff if denom == 0 else diff / denom
 
 
-def norm_tolerance(dtype) -> float:
-    return NORMWISE[dtype]
-
-
-def check_close(actual: torch.Tensor, expected: torch.Tensor, dtype, compare: str = "elementwise") -> str | None:
+def check_close(actual: torch.Tensor, expected: torch.Tensor, dtype, compare: str = "elementwise",
+                floor: float = 0.0) -> str | None:
     """None when `actual` matches `expected` (float64 reference) for outputs of `dtype`;
-    otherwise a sentence saying how far off it is."""
+    otherwise a sentence saying how far off it is. `floor` raises the norm-wise bound to what
+    the dtype's own rounding of intermediates (such as a stored forward output) allows."""
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"
     if actual.numel() == 0:
         return None
     if compare == "norm":
-        err, tol = rel_err(actual, expected), norm_tolerance(dtype)
+        err, tol = rel_err(actual, expected), max(NORMWISE[dtype], floor)
         return None if err <= tol else f"relative error {err:.3g} > {tol:.3g} ({dtype})"
     atol, rtol = ELEMENTWISE[dtype]
     a, e = actual.double(), expected.double()

@@ -1,0 +1,88 @@
+"""Command line: `python -m tritonformer bench [OP ...] [--quick] [--out DIR]` and `info`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from . import runtime
+
+INTERPRETER_NOTICE = (
+    "tritonformer: no CUDA GPU here: kernels run under Triton's CPU interpreter and the timings "
+    "are NOT GPU timings (quick grid only)."
+)
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return args.handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonformer", description="Triton kernels for Transformers.")
+    commands = parser.add_subparsers(dest="command")
+
+    bench = commands.add_parser("bench", help="check and time the ops against their peers, write a report")
+    bench.add_argument("ops", nargs="*", metavar="OP", help="ops to run (default: all registered)")
+    bench.add_argument("--quick", action="store_true", help="the small grid only (implied without a GPU)")
+    bench.add_argument("--out", type=Path, help="output directory (default: bench-out/<device>/)")
+    bench.set_defaults(handler=_bench)
+
+    info = commands.add_parser("info", help="device, versions and measured ceilings")
+    info.add_argument("--no-ceilings", action="store_true", help="skip measuring copy and matmul ceilings")
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import report, runner
+
+    if runtime.INTERPRET:
+        print(INTERPRETER_NOTICE, flush=True)
+        # Said above already; the kernels' own warning would only split a progress line.
+        warnings.filterwarnings("ignore", message="tritonformer: no CUDA GPU", category=RuntimeWarning)
+    try:
+        ops = runner.select_ops(args.ops)
+    except runner.UnknownOpError as exc:
+        print(f"tritonformer bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    quick = args.quick or runtime.INTERPRET
+    ceilings = runner.measure_ceilings(quick)
+    rows = runner.run(ops, quick, ceilings=ceilings)
+    out_dir = args.out or Path("bench-out") / ceilings["device_slug"]
+    report_path = report.write_report(rows, ceilings, out_dir)
+    print(report.summary_table(rows))
+    print(f"\nwrote {report_path}, {out_dir / 'results.csv'} and one PNG per op")
+    failures = [row for row in rows if runner.ours_failed(row)]
+    if failures:
+        cases = "; ".join(f"{r['op']} {r['mode']} {r['dtype']} {r['shape']}: {r['error'] or r['check']}" for r in failures)
+        print(f"tritonformer bench: {len(failures)} tritonformer case(s) wrong or failing: {cases}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .bench import report, runner
+
+    ceilings = runner.device_info() if args.no_ceilings else runner.measure_ceilings(quick=False)
+    lines = report.ceiling_lines(ceilings)
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
+        print(f"{label:<{width}}  {value}")
+    if runtime.INTERPRET:
+        print(INTERPRETER_NOTICE)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The benchmark harness end to end: runner, report and CLI, on the add op and hand-made cases."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from tritonformer import registry, runtime
+from tritonformer.__main__ import main
+from tritonformer.bench import runner
+from tritonformer.bench.report import summary_table
+from tritonformer.ops import add
+from tritonformer.spec import Bench, BenchCase, OpSpec
+
+
+def _fake_spec(name: str, providers: dict, cases: int = 1, dtype: torch.dtype = torch.float32) -> OpSpec:
+    """An op whose bench cases add 1 to a small float32 tensor; `providers` maps names to
+    functions of that tensor, and the reference is x + 1 in float64. `dtype` labels the cases."""
+
+    def setup() -> Bench:
+        x = torch.arange(64, dtype=torch.float32, device=runtime.DEVICE)
+        return Bench(
+            providers={provider: (lambda fn=fn: fn(x)) for provider, fn in providers.items()},
+            reference=lambda: x.double() + 1,
+        )
+
+    bench_cases = [
+        BenchCase(name, "fwd", dtype, f"n=64 #{i}", 64 * (i + 1), setup, bytes=2 * 4 * 64, quick=True)
+        for i in range(cases)
+    ]
+    return OpSpec(name, fn=lambda x: x + 1, reference=lambda x: x + 1, test_cases=lambda: [],
+                  bench_cases=lambda: bench_cases)
+
+
+@pytest.fixture
+def only_add(monkeypatch):
+    monkeypatch.setattr(registry, "OPS", {"add": add.SPEC})
+
+
+def _read_csv(path):
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_bench_add_end_to_end(only_add, tmp_path, capsys):
+    assert main(["bench", "add", "--quick", "--out", str(tmp_path)]) == 0
+
+    columns, rows = _read_csv(tmp_path / "results.csv")
+    assert columns == runner.COLUMNS
+    ours = [r for r in rows if r["provider"] == runner.OURS]
+    assert ours and all(r["check"] == "ok" for r in ours)
+    assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
+    assert {r["provider"] for r in rows} >= {"tritonformer", "torch"}
+    assert (tmp_path / "add.png").stat().st_size > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "](add.png)" in report and "## add" in report
+
+    out = capsys.readouterr().out
+    if runtime.INTERPRET:
+        assert "interpreter" in out.splitlines()[0]
+        assert "NOT GPU" in report
+    assert "add" in out and "best peer" in out
+
+
+def test_unknown_op_is_a_clear_error(only_add, capsys):
+    assert main(["bench", "no_such_op"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_op" in err and "add" in err
+    with pytest.raises(runner.UnknownOpError, match="registered ops: add"):
+        runner.run(["no_such_op"], quick=True, progress=False)
+
+
+def test_failing_peer_is_recorded_and_the_run_goes_on(monkeypatch):
+    def broken_peer(x):
+        raise RuntimeError("peer exploded")
+
+    providers = {"tritonformer": lambda x: x + 1, "broken": broken_peer, "torch": lambda x: x + 1}
+    spec = _fake_spec("fake", providers, cases=2)
+    monkeypatch.setattr(registry, "OPS", {"fake": spec})
+    rows = runner.run(["fake"], quick=True, progress=False)
+
+    assert len(rows) == 6  # both cases ran, three providers each
+    broken = [r for r in rows if r["provider"] == "broken"]
+    assert all("peer exploded" in r["error"] and r["ms"] is None for r in broken)
+    ours = [r for r in rows if r["provider"] == runner.OURS]
+    assert all(r["check"] == "ok" and r["ms"] > 0 and r["best_peer"] == "torch" for r in ours)
+    assert not any(runner.ours_failed(r) for r in rows)
+    assert "fake" in summary_table(rows)
+
+
+def test_wrong_result_fails_the_check_and_the_bench(monkeypatch, tmp_path, capsys):
+    spec = _fake_spec("wrong", {"tritonformer": lambda x: x + 2, "torch": lambda x: x + 1})
+    monkeypatch.setattr(registry, "OPS", {"wrong": spec})
+
+    assert main(["bench", "wrong", "--out", str(tmp_path)]) == 1
+
+    _, rows = _read_csv(tmp_path / "results.csv")
+    ours = next(r for r in rows if r["provider"] == runner.OURS)
+    assert "elements off" in ours["check"]
+    assert "FAIL" in (tmp_path / "report.md").read_text()
+    assert "wrong" in capsys.readouterr().err
+
+
+def test_ours_raising_fails_the_bench(monkeypatch, tmp_path):
+    def broken_ours(x):
+        raise ValueError("kernel exploded")
+
+    spec = _fake_spec("raises", {"tritonformer": broken_ours, "torch": lambda x: x + 1})
+    monkeypatch.setattr(registry, "OPS", {"raises": spec})
+    assert main(["bench", "raises", "--out", str(tmp_path)]) == 1
+    _, rows = _read_csv(tmp_path / "results.csv")
+    assert "kernel exploded" in next(r for r in rows if r["provider"] == runner.OURS)["error"]
+
+
+def test_setup_out_of_memory_is_recorded_and_the_run_goes_on(monkeypatch):
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    fits = _fake_spec("fits", {"tritonformer": lambda x: x + 1})
+    too_big = BenchCase("fits", "fwd", torch.float32, "huge", 1 << 40, out_of_memory, quick=True)
+    spec = OpSpec("fits", fn=fits.fn, reference=fits.reference, test_cases=fits.test_cases,
+                  bench_cases=lambda: [too_big, *fits.bench_cases()])
+    monkeypatch.setattr(registry, "OPS", {"fits": spec})
+    rows = runner.run(["fits"], quick=True, progress=False)
+
+    assert [r["shape"] for r in rows] == ["huge", "n=64 #0"]
+    assert "OutOfMemoryError" in rows[0]["error"] and runner.ours_failed(rows[0])
+    assert rows[1]["check"] == "ok"
+
+
+def test_fp8_case_is_checked_at_its_output_dtype(monkeypatch):
+    # fp8 cases name their operands' dtype; the bf16 output is held to bf16's tolerance.
+    spec = _fake_spec("fp8", {"tritonformer": lambda x: (x + 1).bfloat16()}, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(registry, "OPS", {"fp8": spec})
+    (row,) = runner.run(["fp8"], quick=True, progress=False)
+    assert row["check"] == "ok" and row["dtype"] == "fp8e4m3"
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"),
+])
+def test_device_slug(name, slug):
+    assert runner.device_slug(name) == slug

@@ -1,0 +1,109 @@
+import pytest
+import torch
+
+import tritonformer as tf
+from tritonformer import nn
+from tritonformer.ops import matmul as matmul_op
+from tritonformer.testing import assert_close
+
+from helpers import compile_fullgraph, foreign_device_tensor
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "leaky_relu", "gelu", "gelu_tanh", "silu"])
+def test_activation_forward_and_gradients(activation, device):
+    a = torch.randn(24, 40, device=device, requires_grad=True)
+    b = torch.randn(40, 32, device=device, requires_grad=True)
+    bias = torch.randn(32, device=device, requires_grad=True)
+    out = tf.matmul(a, b, bias, activation, negative_slope=0.2)
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in (a, b, bias)]
+    ref = matmul_op.matmul_reference(*ref_inputs, activation, negative_slope=0.2)
+    assert_close(out, ref, torch.float32, "norm")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (a, b, bias), dout)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, "norm")
+
+
+def test_unaligned_operands_are_padded_not_misread(device):
+    # K = 13 float32 rows are 52 bytes: not 16-byte aligned, so TMA needs a padded copy.
+    a = torch.randn(9, 13, device=device)
+    b = torch.randn(13, 11, device=device)
+    assert_close(tf.matmul(a, b), a.double() @ b.double(), torch.float32, "norm")
+    padded, transposed = matmul_op._tma_operand(a.unsqueeze(0))
+    assert not transposed and padded.stride(1) % 4 == 0 and padded.shape == (1, 9, 13)
+
+
+def test_transposed_operands_are_read_in_place(device):
+    weight = torch.randn(48, 32, device=device)
+    operand, transposed = matmul_op._tma_operand(weight.t().unsqueeze(0))
+    assert transposed and operand.data_ptr() == weight.data_ptr()
+
+
+def test_empty_reduction_gives_bias_through_activation(device):
+    a, b = torch.randn(3, 0, device=device), torch.randn(0, 5, device=device)
+    bias = torch.randn(5, device=device)
+    assert_close(tf.matmul(a, b, bias, "relu"), torch.relu(bias.double()).expand(3, 5), torch.float32)
+
+
+def test_linear_module_matches_torch_linear(device):
+    torch_linear = torch.nn.Linear(40, 24).to(device)
+    ours = nn.Linear(40, 24).to(device)
+    ours.load_state_dict(torch_linear.state_dict())
+    assert isinstance(ours, torch.nn.Linear)
+    x = torch.randn(2, 7, 40, device=device)
+    assert_close(ours(x), torch_linear.double()(x.double()), torch.float32, "norm")
+
+
+def test_compiles_forward_and_backward_without_graph_break(device):
+    a = torch.randn(16, 32, device=device, requires_grad=True)
+    b = torch.randn(32, 48, device=device, requires_grad=True)
+    out = compile_fullgraph(lambda x, y: tf.matmul(x, y, activation="silu") * 3)(a, b)
+    out.sum().backward()
+    ad, bd = (t.detach().double().requires_grad_(True) for t in (a, b))
+    ref = torch.nn.functional.silu(ad @ bd) * 3
+    ref.sum().backward()
+    assert_close(out, ref, torch.float32, "norm")
+    assert_close(a.grad, ad.grad, torch.float32, "norm")
+    assert_close(b.grad, bd.grad, torch.float32, "norm")
+
+
+def test_fp8_has_no_backward(device):
+    a = torch.randn(32, 32, device=device).to(FP8).requires_grad_(True)
+    b = torch.randn(32, 32, device=device).to(FP8)
+    out = tf.matmul(a, b)
+    with pytest.raises(NotImplementedError, match="float8"):
+        out.float().sum().backward()
+
+
+def _t(shape, dtype=torch.float32):
+    return lambda d: torch.randn(shape, device=d).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "a,b,kwargs,error,match",
+    [
+        (_t((4, 8)), _t((8, 4), torch.float16), {}, TypeError, "same dtype"),
+        (_t((4, 8), torch.float64), _t((8, 4), torch.float64), {}, TypeError, "a has dtype torch.float64"),
+        (_t((4, 8)), _t((7, 4)), {}, ValueError, r"a.shape\[-1\] must equal b.shape\[-2\]"),
+        (_t((8,)), _t((8, 4)), {}, ValueError, "a must have at least 2"),
+        (_t((2, 4, 8)), _t((3, 8, 4)), {}, ValueError, "do not broadcast"),
+        (_t((4, 8)), _t((8, 4)), {"bias": _t((5,))}, ValueError, r"bias must have shape \(4,\)"),
+        (_t((4, 8)), _t((8, 4)), {"activation": "tanh"}, ValueError, "activation must be one of"),
+        (_t((4, 8)), _t((8, 4)), {"scale_a": _t(())}, ValueError, "float8_e4m3fn operands only"),
+        (_t((4, 32), FP8), _t((32, 4), FP8), {"scale_a": _t((3,))}, ValueError, "scale_a must hold one value"),
+        (_t((4, 32), FP8), _t((2, 32, 4), FP8), {}, ValueError, "float8 matmul takes a 2-D b"),
+        (_t((4, 8)), _t((8, 4)), {"out_dtype": torch.int32}, TypeError, "out_dtype"),
+    ],
+)
+def test_bad_input_is_named(a, b, kwargs, error, match, device):
+    kwargs = {k: (v(device) if callable(v) else v) for k, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        tf.matmul(a(device), b(device), **kwargs)
+
+
+def test_foreign_device_is_named(device):
+    with pytest.raises(ValueError, match="b is on meta"):
+        tf.matmul(torch.randn(4, 4, device=device), foreign_device_tensor())
