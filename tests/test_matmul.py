@@ -32,14 +32,15 @@ def test_unaligned_operands_are_padded_not_misread(device):
     a = torch.randn(9, 13, device=device)
     b = torch.randn(13, 11, device=device)
     assert_close(tf.matmul(a, b), a.double() @ b.double(), torch.float32, "norm")
-    padded, transposed = matmul_op._tma_operand(a.unsqueeze(0))
-    assert not transposed and padded.stride(1) % 4 == 0 and padded.shape == (1, 9, 13)
+    padded, strides, transposed = matmul_op._tma_operand(a, (1, 9, 13), (117, 13, 1))
+    assert not transposed and strides[1] % 4 == 0 and padded.shape == (1, 9, 13)
+    assert torch.equal(padded[0], a)
 
 
 def test_transposed_operands_are_read_in_place(device):
     weight = torch.randn(48, 32, device=device)
-    operand, transposed = matmul_op._tma_operand(weight.t().unsqueeze(0))
-    assert transposed and operand.data_ptr() == weight.data_ptr()
+    operand, strides, transposed = matmul_op._tma_operand(weight, (1, 32, 48), (1536, 1, 32))
+    assert transposed and operand is weight and strides == (1536, 1, 32)
 
 
 def test_empty_reduction_gives_bias_through_activation(device):
@@ -107,3 +108,24 @@ def test_bad_input_is_named(a, b, kwargs, error, match, device):
 def test_foreign_device_is_named(device):
     with pytest.raises(ValueError, match="b is on meta"):
         tf.matmul(torch.randn(4, 4, device=device), foreign_device_tensor())
+
+
+def test_specialization_class_matches_triton():
+    """FastLaunch reuses a compiled kernel for arguments of one class: a class must never mix
+    arguments Triton specializes apart (else a kernel compiled for aligned data could read unaligned)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from tritonformer.runtime import specialization_class
+
+    base = torch.empty(64, dtype=torch.float16)
+    values = [1, 2, 16, 17, 32, 0, -16, 2**31, 2**31 + 16, True, False, None, 1.5, 2.0,
+              base, base[1:], base[8:], base.float(), base.float()[4:], base.float()[1:]]
+    for x in values:
+        for y in values:
+            same_class = type(x) is type(y) and specialization_class(x) == specialization_class(y)
+            same_triton = type(x) is type(y) and (
+                native_specialize_impl(BaseBackend, x, False, True, True)
+                == native_specialize_impl(BaseBackend, y, False, True, True))
+            # A finer class only costs a cache entry; a coarser one would launch the wrong kernel.
+            assert same_triton or not same_class, (x, y)

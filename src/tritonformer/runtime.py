@@ -68,59 +68,74 @@ def autotune(configs: Iterable[triton.Config], key: list[str], **kwargs):
     return triton.autotune(configs=configs, key=key, cache_results=not INTERPRET, **kwargs)
 
 
-class FastLaunch:
-    """`kernel[grid](*args, **kwargs)` at a fraction of the host cost.
+def specialization_class(arg):
+    """What Triton 3.x specializes a kernel argument on, as a hashable value: a tensor's dtype and
+    16-byte alignment; an int's being 1, divisible by 16, and in 32-bit range; bools and None by
+    value; floats not at all. Equal classes select the same compiled kernel."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if arg is None or isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+    if isinstance(arg, float):
+        return float
+    return arg
 
-    JITFunction.run spends about 25 us a launch on the H100 machine's host (hooks, a check of
-    global variables, launch metadata), more than a small kernel's GPU time; the compiled
-    kernel's own launcher takes about 8 us. After the first launch for an argument
-    specialization (computed by Triton's own binder, so the same kernel Triton would pick),
-    later launches call the compiled kernel directly. Under the interpreter, or while a
-    profiler has set a launch hook, every launch takes the ordinary path."""
+
+class FastLaunch:
+    """`kernel[grid](*args, **kwargs)` at a fraction of the host cost, with the runtime arguments
+    passed by position and the constexprs and launch options by keyword.
+
+    JITFunction.run costs about 45 us a launch on the H100 machine's host (its argument binder
+    alone 16 us), more than a small kernel's GPU time. The first launch for a specialization
+    class of the arguments goes through it (compiling if needed); later ones call the compiled
+    kernel's launcher directly. Under the interpreter, or while a profiler has set a launch hook,
+    every launch takes the ordinary path."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict[tuple, object] = {}
 
-    def __call__(self, grid, *args, **kwargs):
+    def __call__(self, grid: tuple, *args, **kwargs) -> None:
         hook = triton.knobs.runtime.launch_enter_hook
         if INTERPRET or (hook is not None and getattr(hook, "calls", True)):
             self.kernel[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
-        binder = self.kernel.device_caches[device][4]
-        bound, specialization, options = binder(*args, **kwargs)
-        key = (device, tuple(specialization), tuple(options.items()))
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **kwargs)
+        key = (device, tuple(map(specialization_class, args)), tuple(kwargs.items()))
+        entry = self.compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
+            self.compiled[key] = (compiled, constexprs)
             return
-        if callable(grid):
-            grid = grid(bound)
+        compiled, constexprs = entry
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            torch.cuda.current_stream(device).cuda_stream, compiled.function, compiled.packed_metadata,
-            None, None, None, *bound.values(),
+            torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *constexprs,
         )
 
 
 class TunedLauncher:
     """Launches an autotuned kernel. The first call for a key goes through the autotuner; later
     calls launch the chosen config through FastLaunch, skipping the autotuner's per-call work
-    (20-45 us of host time measured on the H100 machine, more than a small matmul's GPU time)."""
+    (20-45 us of host time measured on the H100 machine, more than a small matmul's GPU time).
+    `grid(config)` maps the config's meta-parameters to the launch grid."""
 
     def __init__(self, autotuned):
         self.autotuned = autotuned
         self.launch = FastLaunch(autotuned.fn)
         self.chosen: dict[tuple, dict] = {}
 
-    def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
+    def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> None:
         config = self.chosen.get(key)
         if config is None:
             self.autotuned[grid](*args, **kwargs)
             self.chosen[key] = self.autotuned.best_config.all_kwargs()
         else:
-            self.launch(grid, *args, **kwargs, **config)
+            self.launch(grid(config), *args, **kwargs, **config)
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -221,26 +221,22 @@ def _split_k_reduce_kernel(
                     negative_slope, HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE)
 
 
-def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(operand, transposed) where the operand's inner matrix is row-major (transposed=False) or
-    column-major (True) with 16-byte aligned base and strides, as TMA requires. Copies into a
-    padded row-major buffer only when `t` is neither."""
-    elt = t.element_size()
-    align = 16 // elt
-
-    def ok(strides_outer):
-        return t.data_ptr() % 16 == 0 and all(s % align == 0 and s > 0 for s in strides_outer)
-
-    sb, sr, sc = t.stride()
-    if sc == 1 and ok((sb, sr)) or t.shape[-1] == 1 and ok((sb, sr)):
-        return t, False
-    if sr == 1 and ok((sb, sc)):
-        return t, True
-    batch, rows, cols = t.shape
+def _tma_operand(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
+    """(tensor, strides, transposed) for reading the (batch, rows, cols) matrix `shape` with
+    `strides` from `t` through TMA: row-major (transposed=False) or column-major (True) with a
+    16-byte aligned base and strides. Copies into a padded row-major buffer only when neither."""
+    align = 16 // t.element_size()
+    sb, sr, sc = strides
+    aligned_base = t.data_ptr() % 16 == 0
+    if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb >= 0:
+        return t, (sb, sr, 1), False
+    if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb >= 0:
+        return t, strides, True
+    batch, rows, cols = shape
     padded_cols = -(-cols // align) * align
     buf = torch.empty((batch, rows, padded_cols), dtype=t.dtype, device=t.device)[..., :cols]
-    buf.copy_(t)
-    return buf, False
+    buf.copy_(torch.as_strided(t, shape, strides, t.storage_offset()))
+    return buf, buf.stride(), False
 
 
 def _programs_per_sm(meta: dict, element_size: int) -> int:
@@ -276,42 +272,45 @@ _launch_matmul = runtime.TunedLauncher(_matmul_kernel)
 _launch_split_k_reduce = runtime.FastLaunch(_split_k_reduce_kernel)
 
 
-def _launch(a3, b3, c3, pre3, bias, scale_a, scale_b, activation: int, negative_slope: float) -> None:
-    """c3[i] = epilogue(a3[i] @ b3[i]) for 3-D operands of one batch size (b3's batch may be 1)."""
-    batch, M, K = a3.shape
-    N = b3.shape[2]
-    if b3.shape[0] != batch:
-        b3 = b3.expand(batch, K, N)
-    a3, a_trans = _tma_operand(a3)
-    b3, b_trans = _tma_operand(b3)
+def _one_matrix_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of a 2-D tensor seen as a batch of one; the batch stride is the matrix's span, which
+    is 16-byte aligned whenever its row or column stride is (TMA wants every stride aligned)."""
+    return (max(st * n for st, n in zip(t.stride(), t.shape)), *t.stride())
+
+
+def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N: int, K: int,
+            bias, scale_a, scale_b, activation: int, negative_slope: float) -> None:
+    """c[i] = epilogue(a[i] @ b[i]) for i < batch over (batch, M, K) x (batch, K, N) matrices given
+    by base tensors and strides (a batch stride of 0 broadcasts); pre, when given, shares c's strides."""
+    a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
+    b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
     split_k = _split_k(M, N, K, batch)
-    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a3.device) if split_k > 1 else c3
-    dummy = c3
+    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
     runtime.ensure_tma_allocator()
-    epilogue = dict(
-        HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=_scale_mode(scale_a), SCALE_B=_scale_mode(scale_b),
-        STORE_PRE=pre3 is not None,
-    )
+    scale_a_mode, scale_b_mode = _scale_mode(scale_a), _scale_mode(scale_b)
+    element_size = a.element_size()
 
     def grid(meta):
         tiles = batch * split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, runtime.num_sms() * _programs_per_sm(meta, a3.element_size())),)
+        return (min(tiles, runtime.num_sms() * _programs_per_sm(meta, element_size)),)
 
-    key = (batch, M, N, K, split_k, a_trans, b_trans, a3.dtype)
     _launch_matmul(
-        key, grid, a3, b3, c3, pre3 if pre3 is not None else dummy, ws, bias if bias is not None else dummy,
-        scale_a if scale_a is not None else dummy, scale_b if scale_b is not None else dummy,
-        batch, M, N, K, *a3.stride(), *b3.stride(), *c3.stride(), negative_slope,
-        A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, **epilogue,
-        UPCAST=runtime.INTERPRET and a3.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a3.dtype),
+        (batch, M, N, K, split_k, a_trans, b_trans, a.dtype), grid,
+        a, b, c, c if pre is None else pre, ws, c if bias is None else bias,
+        c if scale_a is None else scale_a, c if scale_b is None else scale_b,
+        batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope,
+        A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
+        SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
+        UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
     )
     if split_k > 1:
-        c2, pre2 = c3[0], (pre3[0] if pre3 is not None else dummy)
         block = 32 if runtime.INTERPRET else 64
         _launch_split_k_reduce(
-            (triton.cdiv(M, block), triton.cdiv(N, block)), ws, c2, pre2, bias if bias is not None else dummy, scale_a if scale_a is not None else dummy,
-            scale_b if scale_b is not None else dummy, M, N, c2.stride(0), c2.stride(1), negative_slope,
-            SPLIT_K=split_k, **epilogue, BLOCK_M=block, BLOCK_N=block,
+            (triton.cdiv(M, block), triton.cdiv(N, block)), ws, c, c if pre is None else pre,
+            c if bias is None else bias, c if scale_a is None else scale_a, c if scale_b is None else scale_b,
+            M, N, c_strides[1], c_strides[2], negative_slope,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=scale_a_mode,
+            SCALE_B=scale_b_mode, STORE_PRE=pre is not None, BLOCK_M=block, BLOCK_N=block,
         )
 
 
@@ -352,17 +351,19 @@ def matmul_fwd(
     if K == 0:
         _empty_k_epilogue(out, pre if store_pre else None, bias, activation, negative_slope)
         return out, pre
+    epilogue = (bias, scale_a, scale_b, activation, negative_slope)
+    pre_or_none = pre if store_pre else None
     if b.dim() == 2:
         # Every row of a meets the same b: one (rows, K) x (K, N) product.
-        a3 = a.reshape(1, -1, K)
-        _launch(a3, b.unsqueeze(0), out.view(1, -1, N), pre.view(1, -1, N) if store_pre else None,
-                bias, scale_a, scale_b, activation, negative_slope)
+        a2 = a if a.dim() == 2 else a.reshape(-1, K)
+        rows = a2.shape[0]
+        _launch(a2, _one_matrix_strides(a2), b, _one_matrix_strides(b), out, (rows * N, N, 1), pre_or_none,
+                1, rows, N, K, *epilogue)
     else:
         batch = shape[:-2]
         a3 = a.reshape(-1, M, K) if a.shape[:-2] == batch else a.expand(*batch, M, K).reshape(-1, M, K)
         b3 = b.reshape(-1, K, N) if b.shape[:-2] == batch else b.expand(*batch, K, N).reshape(-1, K, N)
-        _launch(a3, b3, out.view(-1, M, N), pre.view(-1, M, N) if store_pre else None,
-                bias, scale_a, scale_b, activation, negative_slope)
+        _launch(a3, a3.stride(), b3, b3.stride(), out, (M * N, N, 1), pre_or_none, a3.shape[0], M, N, K, *epilogue)
     return out, pre
 
 
