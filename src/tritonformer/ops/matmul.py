@@ -121,7 +121,8 @@ def _epilogue_store(
 
 @runtime.autotune(
     configs=_configs(),
-    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS"],
+    # The epilogue is in the key: an erf-GELU on a 128x256 float32 tile needs other tiles than none.
+    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS", "HAS_BIAS", "ACTIVATION", "STORE_PRE"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -295,7 +296,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         return (min(tiles, runtime.num_sms() * _programs_per_sm(meta, element_size)),)
 
     _launch_matmul(
-        (batch, M, N, K, split_k, a_trans, b_trans, a.dtype), grid,
+        (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None), grid,
         a, b, c, c if pre is None else pre, ws, c if bias is None else bias,
         c if scale_a is None else scale_a, c if scale_b is None else scale_b,
         batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope,
