@@ -129,3 +129,23 @@ def test_specialization_class_matches_triton():
                 == native_specialize_impl(BaseBackend, y, False, True, True))
             # A finer class only costs a cache entry; a coarser one would launch the wrong kernel.
             assert same_triton or not same_class, (x, y)
+
+
+@pytest.mark.parametrize("case", ["2d", "3d-a", "batched", "split-k-bias-act", "transposed-b"])
+def test_replayed_calls_match_the_reference(case, device):
+    """The second call with a signature replays planned launches: new data, same results; an
+    operand whose alignment differs (an offset view) must not reuse the plan."""
+    shapes = {"2d": ((24, 32), (32, 40)), "3d-a": ((2, 12, 32), (32, 40)), "batched": ((3, 16, 32), (3, 32, 24)),
+              "split-k-bias-act": ((8, 2048), (2048, 16)), "transposed-b": ((24, 32), (40, 32))}
+    a_shape, b_shape = shapes[case]
+    kwargs = {"activation": "silu"} if case == "split-k-bias-act" else {}
+    for call in range(4):
+        base = torch.randn(a_shape[:-1] + (a_shape[-1] + 1,), device=device)
+        # Calls 0-2 read an aligned view; call 3 an offset view (other alignment, other plan).
+        a = base[..., :-1] if call < 3 else base[..., 1:]
+        b = torch.randn(b_shape, device=device)
+        b = b.mT if case == "transposed-b" else b
+        bias = torch.randn(b.shape[-1], device=device) if case == "split-k-bias-act" else None
+        out = tf.matmul(a, b, bias, **kwargs)
+        ref = matmul_op.matmul_reference(a.double(), b.double(), None if bias is None else bias.double(), **kwargs)
+        assert_close(out, ref, torch.float32, "norm")

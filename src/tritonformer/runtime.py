@@ -95,22 +95,34 @@ class FastLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled: dict[tuple, object] = {}
+        self.entries: dict[tuple, tuple] = {}
+
+    def _key(self, args, kwargs) -> tuple:
+        device = None if INTERPRET else torch.cuda.current_device()
+        return device, tuple(map(specialization_class, args)), tuple(kwargs.items())
+
+    def cached(self, *args, **kwargs):
+        """The entry `replay` takes for launches of this argument class, once one has run."""
+        return self.entries.get(self._key(args, kwargs))
 
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
+        key = self._key(args, kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
+            self.entries[key] = (compiled, constexprs, kwargs)
+            return
+        self.replay(entry, grid, *args)
+
+    def replay(self, entry: tuple, grid: tuple, *args) -> None:
+        """Launch the entry's kernel on new arguments of the same class."""
+        compiled, constexprs, kwargs = entry
         hook = triton.knobs.runtime.launch_enter_hook
         if INTERPRET or (hook is not None and getattr(hook, "calls", True)):
             self.kernel[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
-        key = (device, tuple(map(specialization_class, args)), tuple(kwargs.items()))
-        entry = self.compiled.get(key)
-        if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
-            self.compiled[key] = (compiled, constexprs)
-            return
-        compiled, constexprs = entry
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
@@ -136,6 +148,12 @@ class TunedLauncher:
             self.chosen[key] = self.autotuned.best_config.all_kwargs()
         else:
             self.launch(grid(config), *args, **kwargs, **config)
+
+    def cached(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> tuple | None:
+        """(FastLaunch entry, grid) for this launch once its config is chosen and compiled."""
+        config = self.chosen.get(key)
+        entry = None if config is None else self.launch.cached(*args, **kwargs, **config)
+        return None if entry is None else (entry, grid(config))
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -229,9 +229,10 @@ def _tma_operand(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[in
     align = 16 // t.element_size()
     sb, sr, sc = strides
     aligned_base = t.data_ptr() % 16 == 0
-    if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb >= 0:
+    # A broadcast batch (stride 0) is copied too: TMA wants every stride positive.
+    if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb > 0:
         return t, (sb, sr, 1), False
-    if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb >= 0:
+    if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb > 0:
         return t, strides, True
     batch, rows, cols = shape
     padded_cols = -(-cols // align) * align
@@ -280,9 +281,14 @@ def _one_matrix_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N: int, K: int,
-            bias, scale_a, scale_b, activation: int, negative_slope: float) -> None:
+            bias, scale_a, scale_b, activation: int, negative_slope: float):
     """c[i] = epilogue(a[i] @ b[i]) for i < batch over (batch, M, K) x (batch, K, N) matrices given
-    by base tensors and strides (a batch stride of 0 broadcasts); pre, when given, shares c's strides."""
+    by base tensors and strides; pre, when given, shares c's strides.
+
+    Returns a replay `(a, b, c, pre, bias, scale_a, scale_b) -> None` that issues the same
+    launches for new tensors of the same shapes, strides, dtypes and alignment, or None when
+    this call copied an operand or a launch was not compiled yet."""
+    a_in, b_in = a, b
     a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
     b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
     split_k = _split_k(M, N, K, batch)
@@ -295,24 +301,50 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         tiles = batch * split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, runtime.num_sms() * _programs_per_sm(meta, element_size)),)
 
-    _launch_matmul(
-        (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None), grid,
-        a, b, c, c if pre is None else pre, ws, c if bias is None else bias,
-        c if scale_a is None else scale_a, c if scale_b is None else scale_b,
-        batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope,
+    def epilogue_tensors(c, pre, bias, scale_a, scale_b):
+        # Absent tensors are passed as c: the kernel never reads them (their flags are off).
+        return (c, c if pre is None else pre, c if bias is None else bias,
+                c if scale_a is None else scale_a, c if scale_b is None else scale_b)
+
+    def main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b):
+        c, pre, bias, scale_a, scale_b = epilogue_tensors(c, pre, bias, scale_a, scale_b)
+        return (a, b, c, pre, ws, bias, scale_a, scale_b)
+
+    key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None)
+    scalars = (batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope)
+    constexprs = dict(
         A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
         UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
     )
+    main_args = (*main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b), *scalars)
+    _launch_matmul(key, grid, *main_args, **constexprs)
     if split_k > 1:
         block = 32 if runtime.INTERPRET else 64
-        _launch_split_k_reduce(
-            (triton.cdiv(M, block), triton.cdiv(N, block)), ws, c, c if pre is None else pre,
-            c if bias is None else bias, c if scale_a is None else scale_a, c if scale_b is None else scale_b,
-            M, N, c_strides[1], c_strides[2], negative_slope,
+        reduce_grid = (triton.cdiv(M, block), triton.cdiv(N, block))
+        reduce_scalars = (M, N, c_strides[1], c_strides[2], negative_slope)
+        reduce_constexprs = dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=scale_a_mode,
             SCALE_B=scale_b_mode, STORE_PRE=pre is not None, BLOCK_M=block, BLOCK_N=block,
         )
+        reduce_args = (ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b), *reduce_scalars)
+        _launch_split_k_reduce(reduce_grid, *reduce_args, **reduce_constexprs)
+
+    main = _launch_matmul.cached(key, grid, *main_args, **constexprs)
+    reduce = _launch_split_k_reduce.cached(*reduce_args, **reduce_constexprs) if split_k > 1 else None
+    if a is not a_in or b is not b_in or main is None or (split_k > 1 and reduce is None):
+        return None
+    main_entry, main_grid = main
+
+    def replay(a, b, c, pre, bias, scale_a, scale_b):
+        ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
+        _launch_matmul.launch.replay(main_entry, main_grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b),
+                                     *scalars)
+        if split_k > 1:
+            _launch_split_k_reduce.replay(reduce, reduce_grid, ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b),
+                                          *reduce_scalars)
+
+    return replay
 
 
 def _output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
@@ -341,7 +373,19 @@ def matmul_fwd(
     scale_b: torch.Tensor | None, activation: int, negative_slope: float, out_dtype: torch.dtype | None,
     store_pre: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, pre-activation or an empty tensor). `activation` is a code from ACTIVATIONS."""
+    """(out, pre-activation or an empty tensor). `activation` is a code from ACTIVATIONS.
+
+    The first call with a given signature (shapes, strides, dtypes, alignment, epilogue) plans
+    the launches; later ones replay them, which cuts the host time of a call from about 95 to
+    about 35 us on the H100 machine (docs/perf-notes.md)."""
+    key = _replay_key(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre)
+    planned = _replays.get(key)
+    if planned is not None:
+        shape, dtype, replay = planned
+        out = runtime.empty(shape, dtype, a.device)
+        pre = runtime.empty(shape, dtype, a.device) if store_pre else out.new_empty(0)
+        replay(a, b, out, pre if store_pre else None, bias, scale_a, scale_b)
+        return out, pre
     shape = _output_shape(a, b)
     dtype = _out_dtype(a, out_dtype)
     out = runtime.empty(shape, dtype, a.device)
@@ -356,16 +400,39 @@ def matmul_fwd(
     pre_or_none = pre if store_pre else None
     if b.dim() == 2:
         # Every row of a meets the same b: one (rows, K) x (K, N) product.
-        a2 = a if a.dim() == 2 else a.reshape(-1, K)
-        rows = a2.shape[0]
-        _launch(a2, _one_matrix_strides(a2), b, _one_matrix_strides(b), out, (rows * N, N, 1), pre_or_none,
-                1, rows, N, K, *epilogue)
+        a_op, b_op = (a if a.dim() == 2 else a.reshape(-1, K)), b
+        rows = a_op.shape[0]
+        replay = _launch(a_op, _one_matrix_strides(a_op), b_op, _one_matrix_strides(b_op), out, (rows * N, N, 1),
+                         pre_or_none, 1, rows, N, K, *epilogue)
     else:
         batch = shape[:-2]
-        a3 = a.reshape(-1, M, K) if a.shape[:-2] == batch else a.expand(*batch, M, K).reshape(-1, M, K)
-        b3 = b.reshape(-1, K, N) if b.shape[:-2] == batch else b.expand(*batch, K, N).reshape(-1, K, N)
-        _launch(a3, a3.stride(), b3, b3.stride(), out, (M * N, N, 1), pre_or_none, a3.shape[0], M, N, K, *epilogue)
+        a_op = a.reshape(-1, M, K) if a.shape[:-2] == batch else a.expand(*batch, M, K).reshape(-1, M, K)
+        b_op = b.reshape(-1, K, N) if b.shape[:-2] == batch else b.expand(*batch, K, N).reshape(-1, K, N)
+        replay = _launch(a_op, a_op.stride(), b_op, b_op.stride(), out, (M * N, N, 1), pre_or_none,
+                         a_op.shape[0], M, N, K, *epilogue)
+    # A replay passes the caller's tensors: only valid where the operands were views of them.
+    if replay is not None and a_op.data_ptr() == a.data_ptr() and b_op.data_ptr() == b.data_ptr():
+        if len(_replays) >= MAX_REPLAYS:
+            _replays.clear()
+        _replays[key] = (shape, dtype, replay)
     return out, pre
+
+
+_replays: dict[tuple, tuple] = {}
+# Many distinct signatures (say, every sequence length of a varying batch) start the table over.
+MAX_REPLAYS = 4096
+
+
+def _replay_key(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre) -> tuple:
+    """Everything a planned launch depends on besides the data: shapes, strides, dtypes, device,
+    alignment (TMA and Triton's specialization), scale modes, epilogue, the tf32 switch."""
+    return (
+        a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16,
+        None if bias is None else (bias.dtype, bias.data_ptr() % 16),
+        None if scale_a is None else (scale_a.numel(), scale_a.data_ptr() % 16),
+        None if scale_b is None else (scale_b.numel(), scale_b.data_ptr() % 16),
+        activation, negative_slope, out_dtype, store_pre, torch.backends.cuda.matmul.allow_tf32,
+    )
 
 
 def _empty_k_epilogue(out, pre, bias, activation, negative_slope):
