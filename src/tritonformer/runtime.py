@@ -45,10 +45,6 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     return out
 
 
-def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return empty(t.shape, dtype or t.dtype, t.device)
-
-
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int = 0) -> int:
     """Streaming multiprocessors; under the interpreter a small number, so that persistent
@@ -180,7 +176,6 @@ def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
                 return op(*args, **kwargs)
             return launcher(*args, **kwargs)
 
-        call.op = op
         return call
 
     return wrap
