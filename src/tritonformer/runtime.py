@@ -93,23 +93,18 @@ class FastLaunch:
         self.kernel = kernel
         self.entries: dict[tuple, tuple] = {}
 
-    def _key(self, args, kwargs) -> tuple:
+    def __call__(self, grid: tuple, *args, **kwargs) -> tuple:
+        """Launch; returns the entry that `replay` takes for later arguments of this class."""
         device = None if INTERPRET else torch.cuda.current_device()
-        return device, tuple(map(specialization_class, args)), tuple(kwargs.items())
-
-    def cached(self, *args, **kwargs):
-        """The entry `replay` takes for launches of this argument class, once one has run."""
-        return self.entries.get(self._key(args, kwargs))
-
-    def __call__(self, grid: tuple, *args, **kwargs) -> None:
-        key = self._key(args, kwargs)
+        key = device, tuple(map(specialization_class, args)), tuple(kwargs.items())
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
             constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
-            self.entries[key] = (compiled, constexprs, kwargs)
-            return
-        self.replay(entry, grid, *args)
+            entry = self.entries[key] = (compiled, constexprs, kwargs)
+        else:
+            self.replay(entry, grid, *args)
+        return entry
 
     def replay(self, entry: tuple, grid: tuple, *args) -> None:
         """Launch the entry's kernel on new arguments of the same class."""
@@ -137,19 +132,15 @@ class TunedLauncher:
         self.launch = FastLaunch(autotuned.fn)
         self.chosen: dict[tuple, dict] = {}
 
-    def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> None:
+    def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> tuple | None:
+        """Launch; returns (FastLaunch entry, grid) for replays, or None while still tuning."""
         config = self.chosen.get(key)
         if config is None:
             self.autotuned[grid](*args, **kwargs)
             self.chosen[key] = self.autotuned.best_config.all_kwargs()
-        else:
-            self.launch(grid(config), *args, **kwargs, **config)
-
-    def cached(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> tuple | None:
-        """(FastLaunch entry, grid) for this launch once its config is chosen and compiled."""
-        config = self.chosen.get(key)
-        entry = None if config is None else self.launch.cached(*args, **kwargs, **config)
-        return None if entry is None else (entry, grid(config))
+            return None
+        config_grid = grid(config)
+        return self.launch(config_grid, *args, **kwargs, **config), config_grid
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -287,7 +287,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
 
     Returns a replay `(a, b, c, pre, bias, scale_a, scale_b) -> None` that issues the same
     launches for new tensors of the same shapes, strides, dtypes and alignment, or None when
-    this call copied an operand or a launch was not compiled yet."""
+    this call copied an operand or the autotuner has just chosen the config."""
     a_in, b_in = a, b
     a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
     b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
@@ -317,8 +317,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
         UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
     )
-    main_args = (*main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b), *scalars)
-    _launch_matmul(key, grid, *main_args, **constexprs)
+    main = _launch_matmul(key, grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b), *scalars, **constexprs)
     if split_k > 1:
         block = 32 if runtime.INTERPRET else 64
         reduce_grid = (triton.cdiv(M, block), triton.cdiv(N, block))
@@ -327,12 +326,9 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
             SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=scale_a_mode,
             SCALE_B=scale_b_mode, STORE_PRE=pre is not None, BLOCK_M=block, BLOCK_N=block,
         )
-        reduce_args = (ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b), *reduce_scalars)
-        _launch_split_k_reduce(reduce_grid, *reduce_args, **reduce_constexprs)
-
-    main = _launch_matmul.cached(key, grid, *main_args, **constexprs)
-    reduce = _launch_split_k_reduce.cached(*reduce_args, **reduce_constexprs) if split_k > 1 else None
-    if a is not a_in or b is not b_in or main is None or (split_k > 1 and reduce is None):
+        reduce = _launch_split_k_reduce(reduce_grid, ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b),
+                                        *reduce_scalars, **reduce_constexprs)
+    if a is not a_in or b is not b_in or main is None:
         return None
     main_entry, main_grid = main
 
