@@ -149,3 +149,23 @@ def test_replayed_calls_match_the_reference(case, device):
         out = tf.matmul(a, b, bias, **kwargs)
         ref = matmul_op.matmul_reference(a.double(), b.double(), None if bias is None else bias.double(), **kwargs)
         assert_close(out, ref, torch.float32, "norm")
+
+
+def test_replay_in_another_thread_sets_the_descriptor_allocator(device, monkeypatch):
+    """A signature planned in one thread may first replay in another (autograd's backward
+    thread): the TMA scratch allocator is per thread, so a replay must set it itself."""
+    import threading
+
+    from tritonformer import runtime
+
+    a, b = torch.randn(16, 32, device=device), torch.randn(32, 24, device=device)
+    for _ in range(2):  # plan
+        tf.matmul(a, b)
+    calls = []
+    monkeypatch.setattr(runtime, "ensure_tma_allocator", lambda: calls.append(threading.get_ident()))
+    results = []
+    worker = threading.Thread(target=lambda: results.append(tf.matmul(a, b)))
+    worker.start()
+    worker.join()
+    assert calls == [worker.ident]
+    assert_close(results[0], a.double() @ b.double(), torch.float32, "norm")

@@ -333,6 +333,8 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     main_entry, main_grid = main
 
     def replay(a, b, c, pre, bias, scale_a, scale_b):
+        # Planned in one thread, replayed in any: the allocator is per thread (a context variable).
+        runtime.ensure_tma_allocator()
         ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
         _launch_matmul.launch.replay(main_entry, main_grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b),
                                      *scalars)
