@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 from . import runtime
@@ -49,8 +48,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     if runtime.INTERPRET:
         print(INTERPRETER_NOTICE, flush=True)
-        # Said above already; the kernels' own warning would only split a progress line.
-        warnings.filterwarnings("ignore", message="tritonformer: no CUDA GPU", category=RuntimeWarning)
     try:
         ops = runner.select_ops(args.ops)
     except runner.UnknownOpError as exc:
