@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..bench import peers
+from ..bench.runner import short_dtype
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 FP8 = torch.float8_e4m3fn
@@ -668,7 +669,7 @@ def _bench_cases() -> list[BenchCase]:
     cases = []
     dev = runtime.DEVICE
     for dtype in (torch.bfloat16, torch.float16):
-        dname = "bf16" if dtype == torch.bfloat16 else "fp16"
+        dname = short_dtype(dtype)
         for quick, shapes in ((True, QUICK_SHAPES), (False, MATMUL_SHAPES)):
             for i, (batch, M, N, K) in enumerate(shapes):
                 def setup(batch=batch, M=M, N=N, K=K, dtype=dtype):

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..bench import peers
+from ..bench.runner import short_dtype
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 # A 32-warp program holds 32768 fp32 values in 32 registers per thread: the largest row kept
@@ -259,7 +260,7 @@ def _bench_cases() -> list[BenchCase]:
     cases = []
     grid = [(4096, n) for n in (1024, 4096, 16384, 32768)] + [(512, 131072), (256, 262144)]
     for dtype in (torch.float32, torch.bfloat16):
-        dname = "fp32" if dtype == torch.float32 else "bf16"
+        dname = short_dtype(dtype)
         for M, N in grid:
             quick = N <= 4096
 
