@@ -162,7 +162,13 @@ def test_replay_in_another_thread_sets_the_descriptor_allocator(device, monkeypa
     for _ in range(2):  # plan
         tf.matmul(a, b)
     calls = []
-    monkeypatch.setattr(runtime, "ensure_tma_allocator", lambda: calls.append(threading.get_ident()))
+    set_allocator = runtime.ensure_tma_allocator
+
+    def record_and_set():
+        calls.append(threading.get_ident())
+        set_allocator()
+
+    monkeypatch.setattr(runtime, "ensure_tma_allocator", record_and_set)
     results = []
     worker = threading.Thread(target=lambda: results.append(tf.matmul(a, b)))
     worker.start()

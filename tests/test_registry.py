@@ -1,5 +1,8 @@
 """The generic checks every registered op gets: forward and gradients against its float64
-reference, on fresh random inputs, with outputs poisoned before the kernels write them."""
+reference, on fresh random inputs, with outputs poisoned before the kernels write them.
+
+An op may return one tensor or a tuple of tensors (None entries are skipped); every floating
+output gets a random upstream gradient."""
 
 import pytest
 import torch
@@ -18,15 +21,23 @@ def _leaf_copy(value, dtype=None):
     return value
 
 
-def _grad_inputs(args):
-    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+def _grad_inputs(args, kwargs):
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
-def _reference_grads(spec, args, kwargs, dout, dtype=None):
-    ref_args = [_leaf_copy(a, dtype) for a in args]
-    ref_kwargs = {k: _leaf_copy(v, dtype) for k, v in kwargs.items()}
-    out = spec.reference(*ref_args, **ref_kwargs)
-    return torch.autograd.grad(out, _grad_inputs(ref_args), dout.to(out.dtype))
+def _outputs(out):
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o is not None]
+
+
+def _differentiable(outputs):
+    return [o for o in outputs if o.requires_grad and o.numel() > 0]
+
+
+def _grads(outputs, inputs, douts):
+    pairs = [(o, d) for o, d in zip(outputs, douts) if o.requires_grad and o.numel() > 0]
+    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [d.to(o.dtype) for o, d in pairs],
+                                allow_unused=True)
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
 
 
 @pytest.mark.parametrize("spec,case", CASES, ids=[f"{s.name}-{c.id}" for s, c in CASES])
@@ -37,22 +48,26 @@ def test_matches_reference(spec, case, device):
     ref_args = [_leaf_copy(a, torch.float64) for a in args]
     ref_kwargs = {k: _leaf_copy(v, torch.float64) for k, v in kwargs.items()}
 
-    out = spec.fn(*args, **kwargs)
-    expected = spec.reference(*ref_args, **ref_kwargs)
-    assert out.dtype == case.dtype
-    msg = check_close(out, expected, case.tolerance or case.dtype, spec.compare)
-    assert msg is None, f"forward: {msg}"
+    outs = _outputs(spec.fn(*args, **kwargs))
+    expected = _outputs(spec.reference(*ref_args, **ref_kwargs))
+    assert len(outs) == len(expected), f"{len(outs)} outputs, reference {len(expected)}"
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        assert out.dtype == case.dtype, f"output {i} has dtype {out.dtype}"
+        msg = check_close(out, exp, case.tolerance or case.dtype, case.compare or spec.compare)
+        assert msg is None, f"forward output {i}: {msg}"
 
-    inputs = _grad_inputs(args)
-    if not case.grad or not inputs or out.numel() == 0:
+    inputs = _grad_inputs(args, kwargs)
+    if not case.grad or not inputs or not _differentiable(outs):
         return
-    dout = torch.randn(out.shape, device=device).to(out.dtype)
-    grads = torch.autograd.grad(out, inputs, dout)
-    ref_grads = torch.autograd.grad(expected, _grad_inputs(ref_args), dout.double())
+    douts = [torch.randn(o.shape, device=device).to(o.dtype) for o in outs]
+    grads = _grads(outs, inputs, douts)
+    ref_grads = _grads(expected, _grad_inputs(ref_args, ref_kwargs), [d.double() for d in douts])
     # What PyTorch itself gets in this dtype bounds what the dtype allows (stored outputs of
     # tiny magnitude, e.g. fp16 softmax over 2^18 columns, lose bits before backward starts).
-    same_dtype_grads = _reference_grads(spec, args, kwargs, dout)
-    for i, (g, r, t) in enumerate(zip(grads, ref_grads, same_dtype_grads)):
+    same_args = [_leaf_copy(a) for a in args]
+    same_kwargs = {k: _leaf_copy(v) for k, v in kwargs.items()}
+    same_dtype = _grads(_outputs(spec.reference(*same_args, **same_kwargs)), _grad_inputs(same_args, same_kwargs), douts)
+    for i, (g, r, t) in enumerate(zip(grads, ref_grads, same_dtype)):
         msg = check_close(g, r, g.dtype, "norm", floor=2 * rel_err(t, r))
         assert msg is None, f"gradient of input {i}: {msg}"
 

@@ -2,8 +2,12 @@
 
 from . import runtime
 from .ops.add import add
+from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
+from .ops.norm import layer_norm, rms_norm
+from .ops.rope import apply_rope
 from .ops.softmax import softmax
+from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "matmul", "softmax", "runtime", "__version__"]
+__all__ = ["add", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "softmax", "swiglu", "swiglu_mlp", "runtime", "__version__"]

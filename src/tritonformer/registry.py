@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from .ops import add, matmul, softmax
+from .ops import add, cross_entropy, matmul, norm, rope, softmax, swiglu
 from .spec import OpSpec
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in (add.SPEC, softmax.SPEC, matmul.SPEC)}
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
+    add.SPEC,
+    softmax.SPEC,
+    matmul.SPEC,
+    norm.RMS_NORM_SPEC,
+    norm.LAYER_NORM_SPEC,
+    swiglu.SPEC,
+    swiglu.MLP_SPEC,
+    rope.SPEC,
+    cross_entropy.SPEC,
+    cross_entropy.FUSED_LINEAR_SPEC,
+)}

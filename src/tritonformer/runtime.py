@@ -201,6 +201,12 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}")
 
 
+def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t` as (rows, n) with unit column stride: a view where the strides allow one, else a copy."""
+    rows = t.reshape(-1, n)
+    return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
+
+
 def needs_int64(*tensors: torch.Tensor) -> bool:
     """Whether an element offset into any of these tensors' storage can pass 2^31 - 1."""
     return any(t.untyped_storage().nbytes() // t.element_size() >= 2**31 for t in tensors)

@@ -24,6 +24,7 @@ class TestCase:
     grad: bool = True
     gpu_only: bool = False
     tolerance: object = None  # key into testing's tables when not `dtype` (e.g. "fp8")
+    compare: str | None = None  # the op's `compare` unless set
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class BenchCase:
     flops: int = 0  # floating-point operations (TFLOP/s is reported when > 0)
     plot: str = ""  # plots group cases with the same `plot` name into one panel
     quick: bool = False  # part of the quick grid (CPU runs and smoke tests)
+    compare: str | None = None  # the op's `compare` unless set (e.g. "norm" for reduced gradients)
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,9 @@ def markdown_report(rows: list[dict], ceilings: dict[str, Any], images: dict[str
         "",
         "Figures are GB/s for cases that move a known number of bytes, otherwise TFLOP/s. "
         "*speedup* is the best peer's time over ours (above 1: ours is faster); "
-        "*% of ceiling* compares ours with the copy bandwidth or the cuBLAS matmul rate above.",
+        "*% of ceiling* compares ours with the copy bandwidth or the cuBLAS matmul rate above. "
+        "*peak GiB* is the most memory allocated during one call, inputs included, and in brackets "
+        "what the call added to what was allocated before it.",
     ]
     for op, op_rows in rows_by_op(rows).items():
         parts += ["", f"## {op}", ""]
@@ -178,7 +180,10 @@ def markdown_report(rows: list[dict], ceilings: dict[str, Any], images: dict[str
 
 def _op_table(rows: list[dict]) -> list[str]:
     peers = list(dict.fromkeys(r["provider"] for r in rows if r["provider"] != OURS))
+    with_memory = any(r["peak_gib"] is not None for r in rows)
     header = ["case", "unit", OURS, *peers, "ours ms", "speedup vs best peer", "% of ceiling", "check"]
+    if with_memory:
+        header += [f"peak GiB: {p}" for p in [OURS, *peers]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     errors = []
     for case_rows in _rows_by_case(rows).values():
@@ -189,6 +194,8 @@ def _op_table(rows: list[dict]) -> list[str]:
         cells = [f"{first['mode']} {first['dtype']} {first['shape']}", unit]
         cells += [_figure_cell(by_provider.get(p)) for p in [OURS, *peers]]
         cells += _ours_cells(ours)
+        if with_memory:
+            cells += [_memory_cell(by_provider.get(p)) for p in [OURS, *peers]]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         errors += [f"- {cells[0]}, {r['provider']}: {r['error']}" for r in case_rows if r["error"]]
     if errors:
@@ -209,6 +216,12 @@ def _figure_cell(row: dict | None) -> str:
     if row["error"]:
         return "error"
     return _number(headline(row)[0])
+
+
+def _memory_cell(row: dict | None) -> str:
+    if row is None or row["peak_gib"] is None:
+        return ""
+    return f"{row['peak_gib']:.2f} (+{row['extra_gib']:.2f})"
 
 
 def _number(value: float | None) -> str:

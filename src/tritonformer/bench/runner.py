@@ -32,7 +32,7 @@ INTERPRETER_TIMER = "cpu-interpreter: perf_counter median, NOT GPU timings"
 
 COLUMNS = [
     "op", "mode", "dtype", "shape", "x", "plot", "provider",
-    "ms", "gbps", "tflops", "bytes", "flops",
+    "ms", "gbps", "tflops", "bytes", "flops", "peak_gib", "extra_gib",
     "best_peer", "speedup_vs_best_peer", "ours_speedup_vs_this", "frac_ceiling",
     "check", "error", "timer",
 ]
@@ -205,7 +205,7 @@ def run(ops: list[str] | None, quick: bool, progress: bool = True, ceilings: dic
     for index, case in enumerate(cases, start=1):
         if progress:
             _progress_start(index, len(cases), case)
-        case_rows = run_case(case, specs[case.op].compare, ceilings or {})
+        case_rows = run_case(case, case.compare or specs[case.op].compare, ceilings or {})
         if progress:
             _progress_end(case_rows)
         rows += case_rows
@@ -229,11 +229,11 @@ def run_case(case: BenchCase, compare: str, ceilings: dict[str, Any]) -> list[di
     if bench is None:
         free_device_memory()
         return [_row(case, OURS, error=f"setup failed: {setup_error}")]
-    timings, errors, check = _time_providers(bench, case.dtype, compare)
+    timings, errors, check, memory = _time_providers(bench, case.dtype, compare)
     # The providers' closures hold the case's inputs: they go with `bench`.
     del bench
     free_device_memory()
-    return _case_rows(case, timings, errors, check, ceilings)
+    return _case_rows(case, timings, errors, check, ceilings, memory)
 
 
 def _set_up(case: BenchCase) -> tuple[Bench | None, str | None]:
@@ -243,10 +243,12 @@ def _set_up(case: BenchCase) -> tuple[Bench | None, str | None]:
         return None, describe_error(exc)
 
 
-def _time_providers(bench: Bench, dtype: torch.dtype, compare: str) -> tuple[dict[str, float], dict[str, str], str | None]:
-    """Median ms per provider that ran, the error of each that raised, and our check."""
+def _time_providers(bench: Bench, dtype: torch.dtype, compare: str) -> tuple[dict[str, float], dict[str, str], str | None, dict[str, tuple]]:
+    """Median ms per provider that ran, the error of each that raised, our check, and each
+    provider's memory (peak, extra) in GiB."""
     timings: dict[str, float] = {}
     errors: dict[str, str] = {}
+    memory: dict[str, tuple] = {}
     check = None
     for provider, thunk in bench.providers.items():
         try:
@@ -257,11 +259,27 @@ def _time_providers(bench: Bench, dtype: torch.dtype, compare: str) -> tuple[dic
                 check = _check(result, bench.reference, dtype, compare)
             del result
             timings[provider] = _time_ms(thunk, first_call_ms)
+            memory[provider] = _memory_gib(thunk)
         except Exception as exc:
             errors[provider] = describe_error(exc)
         if provider in errors:
             free_device_memory()  # out here, where the traceback no longer holds the tensors
-    return timings, errors, check
+    return timings, errors, check, memory
+
+
+def _memory_gib(thunk: Callable[[], Any]) -> tuple[float | None, float | None]:
+    """The most memory allocated during one call (inputs included), and how much of it the call
+    added to what was allocated before it; (None, None) under the interpreter."""
+    if runtime.INTERPRET:
+        return None, None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = thunk()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return peak / 2**30, (peak - before) / 2**30
 
 
 def _time_ms(thunk: Callable[[], Any], first_call_ms: float) -> float:
@@ -329,7 +347,7 @@ def _row(case: BenchCase, provider: str, **fields: Any) -> dict:
 
 
 def _case_rows(case: BenchCase, timings: dict[str, float], errors: dict[str, str], check: str | None,
-               ceilings: dict[str, Any]) -> list[dict]:
+               ceilings: dict[str, Any], memory: dict[str, tuple]) -> list[dict]:
     if OURS not in timings and OURS not in errors:  # a malformed case fails loudly, like a wrong one
         errors = {OURS: "the case has no tritonformer provider", **errors}
     providers = list(timings) + [p for p in errors if p not in timings]
@@ -339,7 +357,8 @@ def _case_rows(case: BenchCase, timings: dict[str, float], errors: dict[str, str
     rows = []
     for provider in sorted(providers, key=lambda p: p != OURS):  # ours first, peers in given order
         ms = timings.get(provider)
-        row = _row(case, provider, ms=ms, error=errors.get(provider))
+        peak, extra = memory.get(provider, (None, None))
+        row = _row(case, provider, ms=ms, error=errors.get(provider), peak_gib=peak, extra_gib=extra)
         if ms is not None:
             row.update(_rates(case, ms, ceilings))
         if provider == OURS:

@@ -1,0 +1,870 @@
+"""Cross entropy over a vocabulary, alone and fused with the linear layer that makes the logits.
+
+Per row of logits x (V classes) with target t, label smoothing e and z-loss weight z:
+
+    lse  = log sum_j exp(x_j)
+    loss = (1 - e) (lse - x_t) + e (lse - mean_j x_j) + z lse^2
+    dloss/dx_j = softmax(x)_j (1 + 2 z lse) - (1 - e) [j == t] - e / V
+
+Rows whose target is ignore_index have loss 0 and gradient 0; "mean" divides by the number of the
+other rows (all rows ignored gives NaN, as in PyTorch).
+
+`cross_entropy`: the forward reads each row once (one program a row, an online max and sum over
+chunks of the vocabulary) and keeps, per row, only the max and the log of the sum; the backward
+reads the row again and writes the gradient, into a new tensor or, when asked, into the logits.
+
+`fused_linear_cross_entropy`: loops over chunks of tokens. cuBLAS makes a chunk's logits, one
+kernel computes each row's loss and overwrites the logits with their gradient, and cuBLAS turns
+that into the gradients of hidden, weight and bias before the next chunk; the (tokens, V) logits
+never exist. With reduction "mean" or "sum" the gradients are formed in the forward and the
+backward scales them by the upstream gradient; with "none" the backward recomputes the logits.
+
+Nothing waits on the GPU: counts and normalisers stay on the device. So a target outside [0, V)
+that is not ignore_index cannot be rejected: its row's loss and gradient are NaN (and so is a mean
+over it), never an out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+# Vocabulary elements per step of a row's loop. At 16 warps a thread keeps 16 running sums, and
+# two programs share an SM. With one 16 KiB bf16 chunk in flight per program, HBM would idle while
+# both reduce; ROW_STAGES chunks are loaded ahead (cp.async). The interpreter takes small steps so
+# that CPU tests cross chunk boundaries.
+ROW_CHUNK = 1024 if runtime.INTERPRET else 8192
+ROW_WARPS = 16
+ROW_STAGES = 2
+# Once a row's max and log-sum are known the backward is elementwise: a program per block of a row.
+BWD_BLOCK = 1024 if runtime.INTERPRET else 4096
+BWD_WARPS = 8
+REDUCE_BLOCK = 1024
+SCALE_BLOCK = 1024 if runtime.INTERPRET else 4096
+# The one (tokens, V) buffer fused_linear_cross_entropy allocates: a token chunk's logits.
+FLCE_CHUNK_BYTES = 2**14 if runtime.INTERPRET else 2**28
+
+# Starting the running max at the largest finite float instead of -inf keeps exp(m_old - m_new)
+# defined while a row has shown only -inf (masked vocabulary).
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _row_stats(x_row, t, V, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """(m, log_s, mean_x, x_t) of one row: lse = m + log_s. x_t is NaN when t is outside [0, V)."""
+    cols = tl.arange(0, CHUNK)
+    m = tl.full((), -FLT_MAX, tl.float32)
+    # Per-lane sums against a shared running max: one exp per element, one max-reduction per chunk.
+    s = tl.zeros((CHUNK,), tl.float32)
+    x_sum = tl.zeros((CHUNK,), tl.float32)
+    inv_v = 1.0 / V
+    for start in tl.range(0, V, CHUNK, num_stages=STAGES):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(x_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+        if HAS_SMOOTHING:
+            # Scaled before summing: V logits near the float maximum would overflow the sum.
+            x_sum += tl.where(mask, x * inv_v, 0.0)
+    log_s = tl.log(tl.sum(s, axis=0))
+    in_range = (t >= 0) & (t < V)
+    x_t = tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32)
+    x_t = tl.where(in_range, x_t, float("nan"))
+    return m, log_s, tl.sum(x_sum, axis=0), x_t
+
+
+@triton.jit
+def _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss,
+              HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    # (m - x_t) + log_s rather than lse - x_t: exact when x_t is the max, however large lse is.
+    loss = (m - x_t) + log_s
+    if HAS_SMOOTHING:
+        loss = (1 - label_smoothing) * loss + label_smoothing * ((m - mean_x) + log_s)
+    if HAS_Z_LOSS:
+        lse = m + log_s
+        loss += z_loss * lse * lse
+    return loss
+
+
+@triton.jit
+def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss,
+                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """g * dloss/dx for the logits x at columns offs of a row (fp32)."""
+    # x - m first: exact for logits near the max, where exp(x - lse) would lose lse's rounding.
+    dx = tl.exp((x - m) - log_s)
+    if HAS_Z_LOSS:
+        dx = dx * (1 + 2 * z_loss * (m + log_s))
+    if HAS_SMOOTHING:
+        dx = dx - label_smoothing / V - tl.where(offs == t, 1 - label_smoothing, 0.0)
+    else:
+        dx = dx - tl.where(offs == t, 1.0, 0.0)
+    # An out-of-range target poisons its row rather than reading out of bounds.
+    return dx * tl.where((t >= 0) & (t < V), g, float("nan"))
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    x_ptr, target_ptr, loss_ptr, stats_ptr, V, stride_x, stride_t, ignore_index, label_smoothing, z_loss,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(target_ptr + row * stride_t)
+    loss = tl.zeros((), tl.float32)
+    # An ignored row is not read at all.
+    if t != ignore_index:
+        m, log_s, mean_x, x_t = _row_stats(x_ptr + row * stride_x, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        loss = _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        tl.store(stats_ptr + 2 * row, m)
+        tl.store(stats_ptr + 2 * row + 1, log_s)
+    tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    x_ptr, target_ptr, stats_ptr, grad_loss_ptr, count_ptr, dx_ptr,
+    V, stride_x, stride_dx, stride_t, stride_grad, ignore_index, label_smoothing, z_loss,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    t = tl.load(target_ptr + row * stride_t)
+    dx_ptrs = dx_ptr + row * stride_dx + offs
+    if t == ignore_index:
+        tl.store(dx_ptrs, tl.zeros((BLOCK,), tl.float32).to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        g = tl.load(grad_loss_ptr + row * stride_grad).to(tl.float32)
+        if MEAN:
+            g = g / tl.load(count_ptr)
+        m = tl.load(stats_ptr + 2 * row)
+        log_s = tl.load(stats_ptr + 2 * row + 1)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _loss_and_grad_kernel(
+    x_ptr, target_ptr, loss_ptr, scale_ptr, V, stride_t, stride_scale, ignore_index, label_smoothing, z_loss,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    """Loss of a row of the contiguous logits x, then x overwritten by scale[row] * dloss/dx."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * V
+    cols = tl.arange(0, CHUNK)
+    t = tl.load(target_ptr + row * stride_t)
+    loss = tl.zeros((), tl.float32)
+    if t == ignore_index:
+        for start in range(0, V, CHUNK):
+            offs = start + cols
+            tl.store(x_row + offs, tl.zeros((CHUNK,), tl.float32).to(x_ptr.dtype.element_ty), mask=offs < V)
+    else:
+        m, log_s, mean_x, x_t = _row_stats(x_row, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        loss = _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        g = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
+        for start in tl.range(0, V, CHUNK, num_stages=STAGES):
+            offs = start + cols
+            mask = offs < V
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+            tl.store(x_row + offs, dx.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _reduce_kernel(
+    loss_ptr, target_ptr, out_ptr, count_ptr, divisor_ptr, N, stride_t, ignore_index,
+    MEAN: tl.constexpr, HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out = sum of the row losses (divided by the count of rows not ignored when MEAN, or by
+    divisor); count_ptr gets that count. One program: a fixed summation order, no atomics."""
+    cols = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), tl.float32)
+    count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        total += tl.load(loss_ptr + offs, mask=mask, other=0.0)
+        t = tl.load(target_ptr + offs.to(tl.int64) * stride_t, mask=mask, other=ignore_index)
+        count += (t != ignore_index).to(tl.int32)
+    out = tl.sum(total, axis=0)
+    n = tl.sum(count, axis=0).to(tl.float32)
+    if MEAN:
+        out = out / n
+    if HAS_DIVISOR:
+        out = out / tl.load(divisor_ptr).to(tl.float32)
+    tl.store(out_ptr, out.to(out_ptr.dtype.element_ty))
+    tl.store(count_ptr, n)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offs, (x * tl.load(factor_ptr).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+_launch_fwd = runtime.FastLaunch(_ce_fwd_kernel)
+_launch_bwd = runtime.FastLaunch(_ce_bwd_kernel)
+_launch_loss_and_grad = runtime.FastLaunch(_loss_and_grad_kernel)
+_launch_reduce = runtime.FastLaunch(_reduce_kernel)
+_launch_scale = runtime.FastLaunch(_scale_kernel)
+
+
+def _row_launch(V: int) -> dict:
+    """Launch settings for a program that loops over a row of V logits."""
+    chunk = min(ROW_CHUNK, triton.next_power_of_2(V))
+    return {"CHUNK": chunk, "STAGES": ROW_STAGES, "num_warps": max(1, min(ROW_WARPS, chunk // 512))}
+
+
+def _flags(label_smoothing: float, z_loss: float) -> dict:
+    return {"HAS_SMOOTHING": label_smoothing != 0.0, "HAS_Z_LOSS": z_loss != 0.0}
+
+
+def _row_losses(x, target, loss, stats, ignore_index, label_smoothing, z_loss) -> None:
+    """Per-row loss (into `loss`, any float dtype) and (max, log-sum) per row (into `stats`)."""
+    N, V = x.shape
+    if N == 0:
+        return
+    _launch_fwd((N,), x, target, loss, stats, V, x.stride(0), target.stride(0), ignore_index,
+                label_smoothing, z_loss, **_row_launch(V), **_flags(label_smoothing, z_loss))
+
+
+def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> None:
+    N = row_loss.shape[0]
+    # `count` stands in for a missing divisor (never read): FastLaunch replays take tensors.
+    _launch_reduce((1,), row_loss, target, out, count, count if divisor is None else divisor, N,
+                   target.stride(0), ignore_index, MEAN=mean, HAS_DIVISOR=divisor is not None,
+                   BLOCK=min(REDUCE_BLOCK, max(16, triton.next_power_of_2(N))), num_warps=4)
+
+
+def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction):
+    N = logits.shape[0]
+    loss = logits.new_empty((N,) if reduction == "none" else ())
+    count = logits.new_empty((0,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty((N, 2), dtype=torch.float32), count
+
+
+@runtime.custom_op("cross_entropy_fwd", fake=_fake_cross_entropy_fwd)
+def cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, per-row (max, log-sum) in float32, count of rows not ignored) for logits (N, V) with
+    unit column stride. The count is an empty tensor for reduction "none"."""
+    N, device = logits.shape[0], logits.device
+    stats = runtime.empty((N, 2), torch.float32, device)
+    if reduction == "none":
+        loss = runtime.empty((N,), logits.dtype, device)
+        _row_losses(logits, target, loss, stats, ignore_index, label_smoothing, z_loss)
+        return loss, stats, torch.empty(0, device=device)
+    row_loss = runtime.empty((N,), torch.float32, device)
+    _row_losses(logits, target, row_loss, stats, ignore_index, label_smoothing, z_loss)
+    loss = runtime.empty((), logits.dtype, device)
+    count = runtime.empty((), torch.float32, device)
+    _reduce(row_loss, target, loss, count, None, ignore_index, mean=reduction == "mean")
+    return loss, stats, count
+
+
+def _grad_into(dx, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+    N, V = logits.shape
+    if N == 0:
+        return
+    stride_grad = grad_loss.stride(0) if reduction == "none" else 0
+    _launch_bwd((N, triton.cdiv(V, BWD_BLOCK)), logits, target, stats, grad_loss, count, dx,
+                V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing,
+                z_loss, MEAN=reduction == "mean", **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK,
+                num_warps=BWD_WARPS)
+
+
+def _fake_cross_entropy_bwd(logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+    return logits.new_empty(logits.shape)
+
+
+@runtime.custom_op("cross_entropy_bwd", fake=_fake_cross_entropy_bwd)
+def cross_entropy_bwd(
+    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, count: torch.Tensor, grad_loss: torch.Tensor,
+    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
+) -> torch.Tensor:
+    """The gradient of the loss with respect to logits (N, V), in a new contiguous tensor."""
+    dx = runtime.empty(logits.shape, logits.dtype, logits.device)
+    _grad_into(dx, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+    return dx
+
+
+def _fake_cross_entropy_bwd_inplace(logits, target, stats, count, grad_loss, ignore_index, label_smoothing,
+                                    z_loss, reduction):
+    return None
+
+
+@runtime.custom_op("cross_entropy_bwd_inplace", fake=_fake_cross_entropy_bwd_inplace, mutates_args=("logits",))
+def cross_entropy_bwd_inplace(
+    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, count: torch.Tensor, grad_loss: torch.Tensor,
+    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
+) -> None:
+    """cross_entropy_bwd, written over the logits (each program reads its block before writing it)."""
+    _grad_into(logits, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, inplace_backward):
+        loss, stats, count = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction)
+        # Saved detached when the backward writes into it: the gradient returned is then an alias
+        # of the logits, not the logits tensor itself (a leaf would become its own .grad).
+        ctx.save_for_backward(logits.detach() if inplace_backward else logits, target, stats, count)
+        ctx.args = (ignore_index, label_smoothing, z_loss, reduction)
+        ctx.inplace_backward = inplace_backward
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, stats, count = ctx.saved_tensors
+        if ctx.inplace_backward:
+            cross_entropy_bwd_inplace(logits, target, stats, count, grad_loss, *ctx.args)
+            dlogits = logits
+        else:
+            dlogits = cross_entropy_bwd(logits, target, stats, count, grad_loss, *ctx.args)
+        return dlogits, None, None, None, None, None, None
+
+
+def _check_loss_args(ignore_index, reduction, label_smoothing, z_loss) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"z_loss must be a finite float >= 0, got {z_loss!r}")
+
+
+def _check_target(target, expected_shape: tuple, what: str) -> None:
+    runtime.check_tensor("target", target, TARGET_DTYPES)
+    if tuple(target.shape) != tuple(expected_shape):
+        raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
+    """Cross entropy of logits (..., V) against class indices target (...), int64 or int32.
+
+    Same as torch.nn.functional.cross_entropy with the classes on the last dimension (not on
+    dimension 1, as torch takes for more than two dimensions), plus `z_loss * logsumexp(row)**2`
+    per row that is not ignored, reduced like the loss. Computed in float32; the loss and the
+    gradient have the logits' dtype. Logits whose last dimension is strided are copied first.
+
+    inplace_backward=True writes the gradient over the logits instead of allocating one (saves
+    their size in memory). Their values are gone after backward; only ask for it when nothing
+    else reads the logits afterwards (another loss, a metric, another autograd node that saved
+    them), and backward runs once. The returned gradient aliases the logits' storage.
+
+    A target that is neither ignore_index nor in [0, V) gives NaN for its row (see the module).
+    """
+    runtime.check_tensor("logits", logits, runtime.FLOAT_DTYPES, min_dim=1)
+    _check_target(target, logits.shape[:-1], "logits.shape[:-1]")
+    runtime.check_same_device(logits=logits, target=target)
+    _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+    V = logits.shape[-1]
+    if V == 0:
+        raise ValueError("logits must have at least one class (last dimension 0)")
+    x, t = runtime.rows_view(logits, V), target.reshape(-1)
+    args = (int(ignore_index), float(label_smoothing), float(z_loss), reduction)
+    if logits.requires_grad and torch.is_grad_enabled():
+        loss = CrossEntropyFunction.apply(x, t, *args, inplace_backward)
+    else:
+        loss = cross_entropy_fwd(x, t, *args)[0]
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+def cross_entropy_reference(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                            inplace_backward=False):
+    """torch.nn.functional.cross_entropy (classes last) plus the z-loss, in the logits' dtype."""
+    V = logits.shape[-1]
+    x, t = logits.reshape(-1, V), target.reshape(-1).long()
+    rows = F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    if z_loss:
+        rows = rows + torch.where(valid, z_loss * torch.logsumexp(x, -1).square(), 0.0)
+    if reduction == "none":
+        return rows.view(target.shape)
+    total = rows.sum()
+    return total / valid.sum() if reduction == "mean" else total
+
+
+def _flce_chunk_rows(T: int, V: int, itemsize: int) -> int:
+    rows = max(1, FLCE_CHUNK_BYTES // (V * itemsize))
+    if rows >= 256:
+        rows -= rows % 256  # whole tiles for cuBLAS
+    return min(rows, max(T, 1))
+
+
+def _row_grad_scale(target, num_items, grad_rows, ignore_index, reduction) -> torch.Tensor:
+    """What each row's dloss/dlogits is multiplied by: the upstream gradient of its loss (grad_rows),
+    else the normaliser of the reduced loss, a 0-dim tensor computed on the device."""
+    if grad_rows is not None:
+        return grad_rows
+    if num_items is not None:
+        return 1.0 / num_items.to(torch.float32)
+    if reduction == "mean":
+        return 1.0 / (target != ignore_index).sum()
+    return torch.ones((), device=target.device)
+
+
+def _fake_flce_fwd(hidden, weight, target, bias, num_items, grad_rows, ignore_index, label_smoothing, z_loss,
+                   reduction, grad_hidden, grad_weight, grad_bias):
+    T = hidden.shape[0]
+    loss = hidden.new_empty((T,) if reduction == "none" else ())
+    return (loss, hidden.new_empty(hidden.shape if grad_hidden else 0),
+            weight.new_empty(weight.shape if grad_weight else 0),
+            bias.new_empty(bias.shape) if grad_bias else hidden.new_empty(0))
+
+
+@runtime.custom_op("fused_linear_cross_entropy_fwd", fake=_fake_flce_fwd)
+def fused_linear_cross_entropy_fwd(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    num_items: torch.Tensor | None, grad_rows: torch.Tensor | None, ignore_index: int, label_smoothing: float,
+    z_loss: float, reduction: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dloss/dhidden, dloss/dweight, dloss/dbias) for hidden (T, H), weight (V, H), bias (V,);
+    a gradient not asked for is an empty tensor. The gradients are those of the reduced loss (sum
+    divided by num_items when given), or, with grad_rows (T,), of sum(grad_rows * row losses)."""
+    (T, H), V, device, dtype = hidden.shape, weight.shape[0], hidden.device, hidden.dtype
+    with_grads = grad_hidden or grad_weight or grad_bias
+    if reduction == "none":
+        loss = row_loss = runtime.empty((T,), dtype, device)
+    else:
+        loss, row_loss = runtime.empty((), dtype, device), runtime.empty((T,), torch.float32, device)
+    dh = runtime.empty((T, H), dtype, device) if grad_hidden else hidden.new_empty(0)
+    dw = runtime.empty((V, H), weight.dtype, device) if grad_weight else hidden.new_empty(0)
+    db32 = torch.zeros(V, dtype=torch.float32, device=device) if grad_bias else None
+    scale = _row_grad_scale(target, num_items, grad_rows, ignore_index, reduction) if with_grads else None
+    rows = _flce_chunk_rows(T, V, hidden.element_size())
+    buffer = runtime.empty((rows, V), dtype, device)
+    stats = runtime.empty((rows, 2), torch.float32, device)
+    launch = {**_row_launch(V), **_flags(label_smoothing, z_loss)}
+    for start in range(0, T, rows):
+        end = min(start + rows, T)
+        h, t, logits, chunk_loss = hidden[start:end], target[start:end], buffer[: end - start], row_loss[start:end]
+        if bias is None:
+            torch.mm(h, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h, weight.t(), out=logits)
+        if not with_grads:
+            _row_losses(logits, t, chunk_loss, stats, ignore_index, label_smoothing, z_loss)
+            continue
+        g = scale[start:end] if scale.dim() else scale
+        _launch_loss_and_grad((end - start,), logits, t, chunk_loss, g, V, t.stride(0), g.stride(0) if g.dim() else 0,
+                              ignore_index, label_smoothing, z_loss, **launch)
+        if grad_hidden:
+            torch.mm(logits, weight, out=dh[start:end])
+        if grad_weight:
+            if start == 0:
+                torch.mm(logits.t(), h, out=dw)
+            else:
+                dw.addmm_(logits.t(), h)
+        if grad_bias:
+            db32 += logits.sum(0, dtype=torch.float32)
+    if grad_weight and T == 0:
+        dw.zero_()
+    if reduction != "none":
+        count = runtime.empty((), torch.float32, device)
+        _reduce(row_loss, target, loss, count, num_items, ignore_index, mean=reduction == "mean" and num_items is None)
+    db = db32.to(bias.dtype) if grad_bias else hidden.new_empty(0)
+    return loss, dh, dw, db
+
+
+def _fake_scale_(x, factor):
+    return None
+
+
+@runtime.custom_op("scale_", fake=_fake_scale_, mutates_args=("x",))
+def scale_(x: torch.Tensor, factor: torch.Tensor) -> None:
+    """x *= factor (a one-element tensor), computed in float32, for contiguous x."""
+    n = x.numel()
+    if n:
+        _launch_scale((triton.cdiv(n, SCALE_BLOCK),), x, factor, n, BLOCK=SCALE_BLOCK, num_warps=8)
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss, reduction):
+        needs = ctx.needs_input_grad
+        flags = (needs[0], needs[1], bias is not None and needs[3])
+        args = (ignore_index, label_smoothing, z_loss)
+        ctx.flags, ctx.args = flags, args
+        ctx.recompute = reduction == "none"
+        if ctx.recompute:
+            loss = fused_linear_cross_entropy_fwd(hidden, weight, target, bias, None, None, *args, reduction,
+                                                  False, False, False)[0]
+            ctx.save_for_backward(hidden, weight, target, bias)
+        else:
+            loss, dh, dw, db = fused_linear_cross_entropy_fwd(hidden, weight, target, bias, num_items, None, *args,
+                                                              reduction, *flags)
+            ctx.save_for_backward(dh, dw, db)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.recompute:
+            hidden, weight, target, bias = ctx.saved_tensors
+            _, dh, dw, db = fused_linear_cross_entropy_fwd(hidden, weight, target, bias, None, grad_loss, *ctx.args,
+                                                           "none", *ctx.flags)
+        else:
+            # Scaled in place: a second backward through the same graph is refused by autograd's
+            # version check on these saved tensors.
+            dh, dw, db = ctx.saved_tensors
+            for grad, needed in zip((dh, dw, db), ctx.flags):
+                if needed:
+                    scale_(grad, grad_loss)
+        dh, dw, db = (g if needed else None for g, needed in zip((dh, dw, db), ctx.flags))
+        return dh, dw, None, db, None, None, None, None, None
+
+
+def _num_items_tensor(num_items, reduction: str, device) -> torch.Tensor | None:
+    if num_items is None:
+        return None
+    if reduction == "none":
+        raise ValueError('num_items_in_batch applies to reduction "mean" or "sum", not "none"')
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one number, got shape {tuple(num_items.shape)}")
+        if num_items.device == device:
+            return num_items.reshape(())
+        if num_items.device.type != "cpu":
+            raise ValueError(f"num_items_in_batch is on {num_items.device} but hidden is on {device}")
+        num_items = num_items.item()  # a host value: reading it waits on nothing
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+        raise ValueError(f"num_items_in_batch must be a positive number or a one-element tensor, got {num_items!r}")
+    # A fill kernel, where torch.tensor(n, device=...) would copy from the host and wait.
+    return torch.full((), float(num_items), dtype=torch.float32, device=device)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without the (tokens, V) logits.
+
+    hidden (..., H), weight (V, H) and bias (V,) share a float dtype; target (...) holds class
+    indices (int64 or int32). Logits and their gradient are formed in that dtype by cuBLAS, a
+    chunk of tokens at a time (at most FLCE_CHUNK_BYTES of logits). The weight's gradient adds up
+    over the chunks in its own dtype (each chunk's product accumulated in float32 by cuBLAS), the
+    bias's in float32.
+
+    num_items_in_batch (an int or a one-element tensor; HuggingFace's normaliser for gradient
+    accumulation) makes the loss the sum over the rows not ignored divided by it, for reduction
+    "mean" or "sum" alike.
+
+    The gradients are made in the forward (when any input needs one) and scaled by the upstream
+    gradient in the backward, which therefore runs once per forward. The logits' gradient is
+    rounded to the input dtype before the upstream gradient is applied: with float16 and a large
+    loss scale, entries below float16's range flush to zero where the unfused path keeps them.
+    Reduction "none" recomputes the logits in the backward instead.
+    """
+    runtime.check_tensor("hidden", hidden, runtime.FLOAT_DTYPES, min_dim=1)
+    runtime.check_tensor("weight", weight, runtime.FLOAT_DTYPES, min_dim=2)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    V, H = weight.shape
+    if hidden.shape[-1] != H:
+        raise ValueError(f"hidden of shape {tuple(hidden.shape)} and weight of shape {tuple(weight.shape)}: "
+                         "hidden.shape[-1] must equal weight.shape[1]")
+    if V == 0:
+        raise ValueError("weight must have at least one row (V = 0 classes)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; they must match")
+    if bias is not None:
+        runtime.check_tensor("bias", bias, runtime.FLOAT_DTYPES)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias has dtype {bias.dtype} but hidden has {hidden.dtype}; they must match")
+        if tuple(bias.shape) != (V,):
+            raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
+    _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
+    runtime.check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
+    _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
+    num_items = _num_items_tensor(num_items_in_batch, reduction, hidden.device)
+    h, t = hidden.reshape(-1, H), target.reshape(-1)
+    args = (int(ignore_index), float(label_smoothing), float(z_loss))
+    needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if needs_grad and torch.is_grad_enabled():
+        loss = FusedLinearCrossEntropyFunction.apply(h, weight, t, bias, num_items, *args, reduction)
+    else:
+        loss = fused_linear_cross_entropy_fwd(h, weight, t, bias, num_items, None, *args, reduction,
+                                              False, False, False)[0]
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+def fused_linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                         label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
+    """cross_entropy_reference of the full logits."""
+    logits = F.linear(hidden, weight, bias)
+    if num_items_in_batch is None:
+        return cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, z_loss)
+    return cross_entropy_reference(logits, target, ignore_index, "sum", label_smoothing, z_loss) / num_items_in_batch
+
+
+def _targets(shape, V, device, ignored=0.0, ignore_index=-100, dtype=torch.int64):
+    """Random class indices, a fraction `ignored` of them set to ignore_index."""
+    t = torch.randint(0, V, shape, device=device)
+    t[torch.rand(shape, device=device) < ignored] = ignore_index
+    return t.to(dtype)
+
+
+def _test_cases() -> list[TestCase]:
+    def case(id, shape, dtype, *, scale=1.0, layout="contiguous", ignored=0.0, target_dtype=torch.int64,
+             gpu_only=False, **kwargs):
+        def make(device):
+            if layout == "transposed":
+                logits = (torch.randn(shape[::-1], device=device) * scale).to(dtype).t()
+            elif layout == "row-strided":
+                logits = (torch.randn(*shape[:-1], shape[-1] + 13, device=device) * scale).to(dtype)[..., 5:-8]
+            else:
+                logits = (torch.randn(shape, device=device) * scale).to(dtype)
+            target = _targets(shape[:-1], shape[-1], device, ignored, kwargs.get("ignore_index", -100), target_dtype)
+            return (logits.requires_grad_(True), target), kwargs
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    def near_float_max(device):
+        # Rows whose target is the largest bfloat16 (loss 0, gradient 0 up to its one-hot) and
+        # rows where it is elsewhere (loss just below the maximum), with -max in every row.
+        logits = torch.randn(8, 300, device=device)
+        target = torch.randint(0, 300, (8,), device=device)
+        peak = torch.where(torch.arange(8, device=device) % 2 == 0, target, (target + 7) % 300)
+        logits[torch.arange(8), peak] = torch.finfo(torch.bfloat16).max
+        logits[torch.arange(8), (target + 11) % 300] = -torch.finfo(torch.bfloat16).max
+        return (logits.to(torch.bfloat16).requires_grad_(True), target), {"reduction": "none"}
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [
+            case(f"{name}-7x50", (7, 50), dt),
+            case(f"{name}-looped-13x{2 * ROW_CHUNK + 300}", (13, 2 * ROW_CHUNK + 300), dt, ignored=0.3),
+            case(f"{name}-sum-ignored-17x300", (17, 300), dt, ignored=0.4, reduction="sum"),
+            case(f"{name}-none-3x5x130", (3, 5, 130), dt, ignored=0.3, reduction="none"),
+            case(f"{name}-smoothing-zloss-9x777", (9, 777), dt, ignored=0.2, label_smoothing=0.1, z_loss=1e-3),
+            case(f"{name}-1024x128256", (1024, 128256), dt, ignored=0.1, gpu_only=True),
+            case(f"{name}-16x262144-smoothing", (16, 262144), dt, label_smoothing=0.05, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-all-ignored", (6, 40), torch.float32, ignored=1.0),
+        case("fp32-empty", (0, 40), torch.float32),
+        case("fp32-empty-sum", (0, 40), torch.float32, reduction="sum"),
+        case("fp32-ignore-index-3", (20, 6), torch.float32, ignore_index=3, ignored=0.3),
+        case("fp32-int32-target", (11, 90), torch.float32, target_dtype=torch.int32, ignored=0.2),
+        case("fp32-row-strided", (19, 333), torch.float32, layout="row-strided", ignored=0.2),
+        case("bf16-transposed", (21, 64), torch.bfloat16, layout="transposed", reduction="none"),
+        case("fp32-logits-1e4", (10, 500), torch.float32, scale=1e4, reduction="none", label_smoothing=0.1),
+        case("fp32-logits-1e4-mean-zloss", (10, 500), torch.float32, scale=1e4, z_loss=1e-4),
+        case("fp32-unbatched", (77,), torch.float32, reduction="none"),
+        TestCase("bf16-float-max", near_float_max, torch.bfloat16),
+    ]
+    return cases
+
+
+def _fwd_bwd(loss_fn, inputs, upstream=None):
+    """A thunk returning the loss and its gradients with respect to `inputs` (not accumulated)."""
+    if loss_fn is None:
+        return None
+
+    def run():
+        loss = loss_fn()
+        return (loss.detach(), *torch.autograd.grad(loss, inputs, upstream))
+    return run
+
+
+# Float64 checks of a whole (N, V) gradient need several float64 copies of it: bigger cases are
+# checked by the GPU tests instead.
+BENCH_CHECK_MAX_ELEMENTS = 2**27
+
+
+def _bench_cases() -> list[BenchCase]:
+    dev, dtype = runtime.DEVICE, torch.bfloat16
+    cases = []
+    for N, V, quick in ((33, 500, True), (4096, 32000, False), (8192, 128256, False), (8192, 262144, False)):
+        def setup(N=N, V=V):
+            logits = torch.randn(N, V, device=dev, dtype=dtype, requires_grad=True)
+            target = _targets((N,), V, dev)
+            # Undoes the mean's 1/N so that gradient entries are of order 1 for the check.
+            upstream = torch.full((), float(N), device=dev, dtype=dtype)
+            lg = peers.liger()
+            # Liger writes its gradient over its input: it gets a copy, made on its first call so
+            # that the providers measured before it do not count the copy in their peak memory.
+            liger_logits = []
+
+            def liger():
+                if not liger_logits:
+                    liger_logits.append(logits.detach().clone().requires_grad_(True))
+                x = liger_logits[0]
+                loss = lg.LigerCrossEntropyFunction.apply(x, target, None, -100, 0.0, 0.0, "mean")[0]
+                return (loss.detach(), *torch.autograd.grad(loss, x, upstream))
+
+            def reference():
+                x = logits.detach().double().requires_grad_(True)
+                loss = cross_entropy_reference(x, target)
+                return (loss, *torch.autograd.grad(loss, x, upstream.double()))
+
+            compiled = peers.compiled(F.cross_entropy, logits, target)
+            return Bench(
+                providers=peers.available({
+                    "tritonformer": _fwd_bwd(lambda: cross_entropy(logits, target), logits, upstream),
+                    "torch": _fwd_bwd(lambda: F.cross_entropy(logits, target), logits, upstream),
+                    "torch.compile": _fwd_bwd(compiled, logits, upstream),
+                    "liger": liger if lg else None,
+                }),
+                reference=reference if N * V <= BENCH_CHECK_MAX_ELEMENTS else None,
+            )
+
+        cases.append(BenchCase("cross_entropy", "fwd+bwd", dtype, f"{N}x{V}", V, setup, bytes=3 * N * V * 2,
+                               plot="forward+backward bf16", quick=quick))
+
+    for N, V, quick in ((33, 500, True), (8192, 128256, False)):
+        def setup_fwd(N=N, V=V):
+            logits = torch.randn(N, V, device=dev, dtype=dtype)
+            target = _targets((N,), V, dev)
+            lg = peers.liger()
+            return Bench(
+                providers=peers.available({
+                    "tritonformer": lambda: cross_entropy(logits, target),
+                    "torch": lambda: F.cross_entropy(logits, target),
+                    "torch.compile": peers.compiled(F.cross_entropy, logits, target),
+                    "liger": (lambda: lg.LigerCrossEntropyFunction.apply(logits, target, None)[0]) if lg else None,
+                }),
+                reference=lambda: _chunked_reference_loss(logits, target),
+            )
+
+        cases.append(BenchCase("cross_entropy", "fwd", dtype, f"{N}x{V}", V, setup_fwd, bytes=N * V * 2,
+                               plot="forward bf16", quick=quick))
+    return cases
+
+
+def _chunked_reference_loss(logits, target, rows=1024):
+    """The mean loss in float64, a block of rows at a time."""
+    total = sum(cross_entropy_reference(logits[i:i + rows].double(), target[i:i + rows], reduction="sum")
+                for i in range(0, logits.shape[0], rows))
+    return total / (target != -100).sum()
+
+
+SPEC = OpSpec(
+    name="cross_entropy",
+    fn=cross_entropy,
+    reference=cross_entropy_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="elementwise",
+)
+
+
+def _flce_test_cases() -> list[TestCase]:
+    def case(id, T, H, V, dtype, *, batch=None, bias=False, ignored=0.0, transposed=False, gpu_only=False,
+             **kwargs):
+        def make(device):
+            lead = batch or (T,)
+            hidden = torch.randn(*lead, H, device=device)
+            if transposed:
+                hidden = hidden.reshape(-1, H).t().contiguous().t()
+            weight = torch.randn(V, H, device=device) / H**0.5
+            args = [hidden.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True),
+                    _targets(lead, V, device, ignored, kwargs.get("ignore_index", -100))]
+            if bias:
+                kwargs["bias"] = (torch.randn(V, device=device) * 0.1).to(dtype).requires_grad_(True)
+            return tuple(args), dict(kwargs)
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [
+            case(f"{name}-bias-33x32x500", 33, 32, 500, dt, bias=True, ignored=0.2),
+            case(f"{name}-sum-smoothing-zloss-29x48x300", 29, 48, 300, dt, ignored=0.3, reduction="sum",
+                 label_smoothing=0.1, z_loss=1e-3),
+            case(f"{name}-none-2x9x40x260", 18, 40, 260, dt, batch=(2, 9), bias=True, ignored=0.3, reduction="none"),
+            case(f"{name}-1024x512x32000", 1024, 512, 32000, dt, bias=True, ignored=0.1, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-num-items-31x16x200", 31, 16, 200, torch.float32, ignored=0.3, num_items_in_batch=57),
+        case("fp32-num-items-sum", 31, 16, 200, torch.float32, ignored=0.3, reduction="sum", num_items_in_batch=40),
+        case(f"bf16-looped-17x24x{ROW_CHUNK + 500}", 17, 24, ROW_CHUNK + 500, torch.bfloat16, bias=True),
+        case("fp32-hidden-transposed", 23, 20, 150, torch.float32, transposed=True, ignored=0.2),
+        case("fp32-ignore-index-0", 23, 20, 150, torch.float32, ignore_index=0, ignored=0.2),
+    ]
+    return cases
+
+
+def _torch_linear_cross_entropy(hidden, weight, target):
+    return F.cross_entropy(hidden @ weight.t(), target)
+
+
+def _flce_bench_cases() -> list[BenchCase]:
+    dev, dtype = runtime.DEVICE, torch.bfloat16
+    cases = []
+    for T, H, V, quick in ((33, 32, 500, True), (4096, 2048, 32000, False), (8192, 4096, 128256, False)):
+        def setup(T=T, H=H, V=V):
+            hidden = torch.randn(T, H, device=dev, dtype=dtype, requires_grad=True)
+            weight = (torch.randn(V, H, device=dev) / H**0.5).to(dtype).requires_grad_(True)
+            target = _targets((T,), V, dev)
+            inputs = (hidden, weight)
+            lg = peers.liger()
+
+            def reference():
+                h, w = (t.detach().double().requires_grad_(True) for t in inputs)
+                loss = fused_linear_cross_entropy_reference(h, w, target)
+                return (loss, *torch.autograd.grad(loss, (h, w)))
+
+            def liger():
+                return lg.LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, target)[0]
+
+            compiled = peers.compiled(_torch_linear_cross_entropy, hidden, weight, target)
+            return Bench(
+                providers=peers.available({
+                    "tritonformer": _fwd_bwd(lambda: fused_linear_cross_entropy(hidden, weight, target), inputs),
+                    "unfused": _fwd_bwd(lambda: cross_entropy(hidden @ weight.t(), target), inputs),
+                    "torch": _fwd_bwd(lambda: _torch_linear_cross_entropy(hidden, weight, target), inputs),
+                    "torch.compile": _fwd_bwd(compiled, inputs),
+                    "liger": _fwd_bwd(liger if lg else None, inputs),
+                }),
+                reference=reference if T * V <= BENCH_CHECK_MAX_ELEMENTS else None,
+            )
+
+        cases.append(BenchCase("fused_linear_cross_entropy", "fwd+bwd", dtype, f"{T}x{H}x{V}", V, setup,
+                               flops=6 * T * H * V, plot="forward+backward bf16", quick=quick))
+    return cases
+
+
+FUSED_LINEAR_SPEC = OpSpec(
+    name="fused_linear_cross_entropy",
+    fn=fused_linear_cross_entropy,
+    reference=fused_linear_cross_entropy_reference,
+    test_cases=_flce_test_cases,
+    bench_cases=_flce_bench_cases,
+    compare="norm",
+)

@@ -1,0 +1,520 @@
+"""RMSNorm and LayerNorm over the last dimension, forward and backward, sharing one set of kernels.
+
+    rms_norm:   xhat = x * rstd,           rstd = 1 / sqrt(mean(x^2) + eps)
+    layer_norm: xhat = (x - mean) * rstd,  rstd = 1 / sqrt(var(x) + eps)
+    y = xhat * w (+ b)
+
+Backward, with g = dy * w (or dy without a weight):
+    rms_norm:   dx = rstd * (g - xhat * mean(g * xhat))
+    layer_norm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat,  db = sum over rows of dy
+
+The forward saves only rstd (and mean) per row besides its inputs. Rows up to FUSED_MAX_N live
+in registers: the forward reads x once and writes y once; the backward reads x and dy once and
+writes dx once. The backward runs a fixed number of programs, each looping over its rows and
+keeping dw and db partial sums in registers; the partials (programs x N, float32) are summed
+once at the end: no atomics, no contention. Longer rows take looped kernels that read a row
+twice (the second read mostly from L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..bench.runner import short_dtype
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+# 32768 float32 values fill 32 registers per thread of a 32-warp program (the softmax bound).
+FUSED_MAX_N = 32768
+LOOP_CHUNK = 4096
+# Backward programs per SM: enough loads in flight to cover latency; each adds one partial row
+# of dw (N float32) to read back at the end.
+BWD_PROGRAMS_PER_SM = 4
+
+
+def _row_configs():
+    # The interpreter takes the first: many rows a program, few programs to step through.
+    return [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (16, 8, 4, 2, 1) for w in (4, 8, 16, 32)]
+
+
+def _prune_row_configs(configs, named_args, **kwargs):
+    """Keep tiles of 1K to 32K elements with 4 to 64 of them a thread (fewer starves the loads,
+    more spills)."""
+    block_n = kwargs["BLOCK_N"]
+    kept = [c for c in configs
+            if 1024 <= c.kwargs["BLOCK_M"] * block_n <= 32768
+            and 4 <= c.kwargs["BLOCK_M"] * block_n // (32 * c.num_warps) <= 64]
+    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.num_warps))]
+
+
+def _row_autotune():
+    return runtime.autotune(_row_configs(), key=["N", "RMS", "HAS_W", "HAS_B", "ROUND_XHAT"],
+                            prune_configs_by={"early_config_prune": _prune_row_configs})
+
+
+@_row_autotune()
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_xm, stride_ym, eps, offset,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        xhat = x * rstd[:, None]
+    else:
+        # A second pass over the registers corrects the rounding of a large mean's float32 sum.
+        mean = tl.sum(x, axis=1) / N
+        mean += tl.sum(tl.where(mask, x - mean[:, None], 0.0), axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        xhat = xc * rstd[:, None]
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    y = _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_ptr.dtype.element_ty, HAS_W, HAS_B, ROUND_XHAT)
+    tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_dtype: tl.constexpr,
+            HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr):
+    """xhat * (w + offset) + b for a (rows, cols) block; ROUND_XHAT rounds xhat to the input
+    dtype first (HuggingFace's LlamaRMSNorm multiplies the weight into the rounded value)."""
+    y = xhat
+    if ROUND_XHAT:
+        y = y.to(x_dtype).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@_row_autotune()
+@triton.jit
+def _norm_bwd_kernel(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    M, N, stride_xm, stride_dym, stride_dxm, offset,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros((BLOCK_N,), tl.float32)
+    db = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(pid * BLOCK_M, M, programs * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        if RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+            xhat_w = xhat.to(x_ptr.dtype.element_ty).to(tl.float32) if ROUND_XHAT else xhat
+            dw += tl.sum(dy * xhat_w, axis=0)
+        else:
+            g = dy
+        if HAS_B:
+            db += tl.sum(dy, axis=0)
+        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+        if not RMS:
+            dx -= (tl.sum(g, axis=1) / N)[:, None]
+        dx *= rstd[:, None]
+        tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HAS_W:
+        tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
+    if HAS_B:
+        tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_xm, stride_ym, eps, offset,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    y_row = y_ptr + row.to(tl.int64) * stride_ym
+    cols = tl.arange(0, CHUNK)
+    mean = 0.0
+    if not RMS:
+        acc = tl.zeros((CHUNK,), tl.float32)
+        for start in range(0, N, CHUNK):
+            acc += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / N
+        tl.store(mean_ptr + row, mean)
+    # Squares of deviations from the mean, not E[x^2] - mean^2, which cancels catastrophically.
+    acc = tl.zeros((CHUNK,), tl.float32)
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        x = tl.load(x_row + offs, mask=offs < N, other=0.0).to(tl.float32)
+        xc = tl.where(offs < N, x - mean, 0.0)
+        acc += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, N, CHUNK):
+        offs = start + cols
+        x = tl.load(x_row + offs, mask=offs < N, other=0.0).to(tl.float32)
+        y = _affine(((x - mean) * rstd)[None, :], w_ptr, b_ptr, offs, N, offset, x_ptr.dtype.element_ty,
+                    HAS_W, HAS_B, ROUND_XHAT)
+        tl.store(y_row + offs[None, :], y.to(y_ptr.dtype.element_ty), mask=(offs < N)[None, :])
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    M, N, stride_xm, stride_dym, stride_dxm, offset,
+    RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Each program owns rows pid, pid + programs, ...; its dw/db partial row lives in global
+    memory (too long for registers) and is only ever touched by this program."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, CHUNK)
+    for row in range(pid, M, programs):
+        row64 = tl.cast(row, tl.int64)
+        x_row = x_ptr + row64 * stride_xm
+        dy_row = dy_ptr + row64 * stride_dym
+        rstd = tl.load(rstd_ptr + row)
+        mean = 0.0
+        if not RMS:
+            mean = tl.load(mean_ptr + row)
+        sum_g = tl.zeros((CHUNK,), tl.float32)
+        sum_gx = tl.zeros((CHUNK,), tl.float32)
+        for start in range(0, N, CHUNK):
+            offs = start + cols
+            ok = offs < N
+            x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(dy_row + offs, mask=ok, other=0.0).to(tl.float32)
+            if HAS_W:
+                g *= tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + offset
+            sum_g += g
+            sum_gx += g * tl.where(ok, (x - mean) * rstd, 0.0)
+        mean_g = tl.sum(sum_g, axis=0) / N
+        mean_gx = tl.sum(sum_gx, axis=0) / N
+        for start in range(0, N, CHUNK):
+            offs = start + cols
+            ok = offs < N
+            x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + offs, mask=ok, other=0.0).to(tl.float32)
+            xhat = (x - mean) * rstd
+            g = dy
+            if HAS_W:
+                g = dy * (tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + offset)
+                xhat_w = xhat.to(x_ptr.dtype.element_ty).to(tl.float32) if ROUND_XHAT else xhat
+                part = dw_part_ptr + pid * N + offs
+                tl.store(part, tl.load(part, mask=ok, other=0.0) + dy * xhat_w, mask=ok)
+            if HAS_B:
+                part = db_part_ptr + pid * N + offs
+                tl.store(part, tl.load(part, mask=ok, other=0.0) + dy, mask=ok)
+            dx = g - xhat * mean_gx
+            if not RMS:
+                dx -= mean_g
+            tl.store(dx_ptr + row64 * stride_dxm + offs, (dx * rstd).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+_launch_fwd = runtime.TunedLauncher(_norm_fwd_kernel)
+_launch_fwd_looped = runtime.FastLaunch(_norm_fwd_looped_kernel)
+_launch_bwd = runtime.TunedLauncher(_norm_bwd_kernel)
+_launch_bwd_looped = runtime.FastLaunch(_norm_bwd_looped_kernel)
+
+
+def _flags(rms: bool, weight, bias, offset: float) -> dict:
+    # LlamaRMSNorm rounds the normalized value to the input dtype before the weight multiply;
+    # the Gemma variant (offset 1) and LayerNorm multiply in float32 and round once.
+    return dict(RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ROUND_XHAT=rms and offset == 0.0)
+
+
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+             offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd); mean is empty for rms_norm."""
+    N = x.shape[-1]
+    x_rows = runtime.rows_view(x, N)
+    M = x_rows.shape[0]
+    y = runtime.empty(x.shape, out_dtype, x.device)
+    rstd = runtime.empty((M,), torch.float32, x.device)
+    mean = runtime.empty((0,) if rms else (M,), torch.float32, x.device)
+    if x.numel() == 0:
+        return y, mean, rstd
+    flags = _flags(rms, weight, bias, offset)
+    w, b = _or(weight, x_rows), _or(bias, x_rows)
+    if N <= FUSED_MAX_N:
+        _launch_fwd((N, x.dtype, out_dtype, *flags.values()), lambda c: (triton.cdiv(M, c["BLOCK_M"]),),
+                    x_rows, w, b, y, mean, rstd, M, N, x_rows.stride(0), N, float(eps), float(offset),
+                    **flags, BLOCK_N=triton.next_power_of_2(N))
+    else:
+        _launch_fwd_looped((M,), x_rows, w, b, y, mean, rstd, N, x_rows.stride(0), N, float(eps), float(offset),
+                           **flags, CHUNK=LOOP_CHUNK, num_warps=8)
+    return y, mean, rstd
+
+
+def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+             mean: torch.Tensor, rstd: torch.Tensor, offset: float, rms: bool,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db); dw and db are empty without a weight or bias."""
+    N = x.shape[-1]
+    x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
+    M = x_rows.shape[0]
+    dx = runtime.empty(x.shape, x.dtype, x.device)
+    looped = N > FUSED_MAX_N
+    # Programs past the last row store zero partials; the count does not depend on the tile, so
+    # the partial buffers fit every config the autotuner tries.
+    programs = max(1, min(M, runtime.num_sms() * BWD_PROGRAMS_PER_SM))
+    # The looped kernel accumulates into its partial rows, so they start at zero.
+    partials = torch.zeros if looped else runtime.empty
+    dw_part = partials((programs, N) if weight is not None else (0,), dtype=torch.float32, device=x.device)
+    db_part = partials((programs, N) if bias is not None else (0,), dtype=torch.float32, device=x.device)
+    if M > 0 and N > 0:
+        flags = _flags(rms, weight, bias, offset)
+        args = (x_rows, _or(weight, x_rows), dy_rows, dx, mean, rstd, dw_part, db_part, M, N,
+                x_rows.stride(0), dy_rows.stride(0), N, float(offset))
+        if looped:
+            _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=8)
+        else:
+            _launch_bwd((N, x.dtype, dy.dtype, *flags.values()), lambda c: (programs,), *args, **flags,
+                        BLOCK_N=triton.next_power_of_2(N))
+    return dx, _reduce_partials(dw_part, weight, M), _reduce_partials(db_part, bias, M)
+
+
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """A kernel pointer argument for an optional tensor (never read when absent)."""
+    return t if t is not None else placeholder
+
+
+def _reduce_partials(part: torch.Tensor, param: torch.Tensor | None, M: int) -> torch.Tensor:
+    if param is None:
+        return part.new_empty(0)
+    if M == 0:
+        return torch.zeros_like(param)
+    return part.sum(0).to(param.dtype)
+
+
+def _fake_norm_fwd(x, weight, bias, eps, offset, rms, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((0,) if rms else (rows,), dtype=torch.float32),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+def _fake_norm_bwd(dy, x, weight, bias, mean, rstd, offset, rms):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight) if weight is not None else x.new_empty(0),
+            torch.empty_like(bias) if bias is not None else x.new_empty(0))
+
+
+norm_fwd = runtime.custom_op("norm_fwd", fake=_fake_norm_fwd)(norm_fwd)
+norm_bwd = runtime.custom_op("norm_bwd", fake=_fake_norm_bwd)(norm_bwd)
+
+
+class NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, offset, rms, out_dtype):
+        y, mean, rstd = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.offset, ctx.rms = offset, rms
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_bwd(dy, x, weight, bias, mean, rstd, ctx.offset, ctx.rms)
+        return dx, dw if weight is not None else None, db if bias is not None else None, None, None, None, None
+
+
+def _normalize(x, weight, bias, eps, offset, rms, out_dtype):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return NormFunction.apply(x, weight, bias, eps, offset, rms, out_dtype)
+    return norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)[0]
+
+
+def _check_inputs(x, weight, bias, eps):
+    runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
+    n = x.shape[-1]
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is None:
+            continue
+        runtime.check_tensor(name, param, runtime.FLOAT_DTYPES)
+        if param.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},) to match x's last dimension, got {tuple(param.shape)}")
+        if param.stride(0) != 1 and n > 1:
+            raise ValueError(f"{name} must be contiguous")
+    runtime.check_same_device(x=x, weight=weight, bias=bias)
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dimension with HuggingFace's semantics.
+
+    offset=0 (LlamaRMSNorm): normalize in float32, round to x's dtype, multiply by the weight;
+    the result has the promoted dtype of x and the weight. offset=1 (GemmaRMSNorm): multiply
+    by (1 + weight) in float32; the result has x's dtype.
+    """
+    _check_inputs(x, weight, None, eps)
+    if not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
+    return _normalize(x, weight, None, eps, offset, True, out_dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """`torch.nn.functional.layer_norm` over the last dimension, computed in float32; the result
+    has x's dtype."""
+    _check_inputs(x, weight, bias, eps)
+    return _normalize(x, weight, bias, eps, 0.0, False, x.dtype)
+
+
+def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0):
+    xf = x.to(torch.float32) if x.dtype != torch.float64 else x
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return normed.to(x.dtype)
+    if offset == 0.0:
+        return weight * normed.to(x.dtype)
+    return (normed * (offset + weight.to(normed.dtype))).to(x.dtype)
+
+
+def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
+    xf = x.to(torch.float32) if x.dtype != torch.float64 else x
+    w = weight.to(xf.dtype) if weight is not None else None
+    b = bias.to(xf.dtype) if bias is not None else None
+    return torch.nn.functional.layer_norm(xf, xf.shape[-1:], w, b, eps).to(x.dtype)
+
+
+def _norm_test_cases(rms: bool) -> list[TestCase]:
+    def case(id, shape, dtype, weight=True, bias=True, offset=0.0, transpose=False, scale=1.0, shift=0.0,
+             gpu_only=False, tolerance=None, compare=None):
+        def make(device):
+            n = shape[-1]
+            x = torch.randn(shape[::-1] if transpose else shape, device=device) * scale + shift
+            x = (x.mT if transpose else x).to(dtype).requires_grad_(True)
+            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
+            if rms:
+                return (x, w), {"eps": 1e-6, "offset": offset}
+            b = torch.randn(n, device=device).to(dtype).requires_grad_(True) if bias else None
+            return (x, w, b), {"eps": 1e-5}
+        return TestCase(id, make, dtype, gpu_only=gpu_only, tolerance=tolerance, compare=compare)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = short_dtype(dt)
+        cases += [
+            # One column is degenerate for RMSNorm's gradient (x-hat = +-1 projects it all away).
+            case(f"{name}-1x3", (1, 3), dt),
+            case(f"{name}-7x1000", (7, 1000), dt),
+            case(f"{name}-2x3x4097", (2, 3, 4097), dt),
+            case(f"{name}-300x64", (300, 64), dt),  # more rows than backward programs here
+            case(f"{name}-looped-2x{FUSED_MAX_N + 77}", (2, FUSED_MAX_N + 77), dt),
+            case(f"{name}-4096x4096", (4096, 4096), dt, gpu_only=True),
+            case(f"{name}-64x65536", (64, 65536), dt, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-no-weight", (5, 33), torch.float32, weight=False, bias=False),
+        case("fp32-transposed", (40, 17), torch.float32, transpose=True),
+        case("fp32-large-values", (4, 999), torch.float32, scale=1e4),
+        case("fp32-empty", (0, 9), torch.float32),
+    ]
+    if rms:
+        cases += [case(f"{short_dtype(dt)}-gemma-9x300", (9, 300), dt, offset=1.0) for dt in runtime.FLOAT_DTYPES]
+    else:
+        cases += [
+            case("fp32-weight-only", (6, 40), torch.float32, bias=False),
+            # A float32 mean near 1000 is itself off by up to 3e-5 (half its ulp), as torch's is,
+            # which no elementwise bound on outputs near zero allows; the variance must not lose
+            # more (E[x^2] - mean^2 would be off by about 10%).
+            case("fp32-large-mean", (4, 512), torch.float32, shift=1e3, tolerance=torch.float16, compare="norm"),
+        ]
+    return cases
+
+
+def _norm_bench_cases(rms: bool) -> list[BenchCase]:
+    op = "rms_norm" if rms else "layer_norm"
+    cases = []
+    grid = [(16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)]
+    for M, N in grid:
+        dtype = torch.bfloat16
+        quick = N == 2048
+
+        def setup(mode, M=M, N=N, dtype=dtype):
+            device = runtime.DEVICE
+            x = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
+            w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype).requires_grad_(mode != "fwd")
+            b = torch.randn(N, device=device, dtype=dtype, requires_grad=mode != "fwd")
+            dy = torch.randn(M, N, device=device, dtype=dtype)
+            lg = peers.liger()
+            if rms:
+                ours = lambda: rms_norm(x, w, 1e-6)  # noqa: E731
+                ref = lambda x, w: rms_norm_reference(x, w, 1e-6)  # noqa: E731
+                liger = (lambda: lg.LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama")) if lg else None
+                eager = (lambda: ref(x, w))
+                inputs, ref_inputs = (x, w), lambda: (x.double(), w.double())
+            else:
+                ours = lambda: layer_norm(x, w, b, 1e-5)  # noqa: E731
+                ref = lambda x, w, b: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, 1e-5)  # noqa: E731
+                liger = (lambda: lg.LigerLayerNormFunction.apply(x, w, b, 1e-5)) if lg else None
+                eager = (lambda: ref(x, w, b))
+                inputs, ref_inputs = (x, w, b), lambda: (x.double(), w.double(), b.double())
+            compiled = peers.compiled(ref, *inputs)
+            providers = {"tritonformer": ours, "torch": eager, "torch.compile": compiled, "liger": liger}
+            if mode == "fwd":
+                return Bench(peers.available(providers), reference=lambda: ref(*ref_inputs()))
+
+            def fwd_bwd(fn):
+                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, dy)
+
+            def reference():
+                leaves = [t.detach().requires_grad_(True) for t in ref_inputs()]
+                return torch.autograd.grad(ref(*leaves), leaves, dy.double())
+
+            return Bench(peers.available({k: fwd_bwd(v) for k, v in providers.items()}), reference=reference)
+
+        size = M * N * 2
+        shape = f"{M}x{N}"
+        cases.append(BenchCase(op, "fwd", dtype, shape, N, lambda s=setup: s("fwd"), bytes=2 * size,
+                               plot=f"forward {short_dtype(dtype)}", quick=quick))
+        # x read twice, y written, dy read, dx written: the five passes the targets count.
+        # dw and db sum over every row: held to a norm-wise bound, as in the tests.
+        cases.append(BenchCase(op, "fwd+bwd", dtype, shape, N, lambda s=setup: s("fwd+bwd"), bytes=5 * size,
+                               plot=f"forward+backward {short_dtype(dtype)}", quick=quick, compare="norm"))
+    return cases
+
+
+RMS_NORM_SPEC = OpSpec(
+    name="rms_norm",
+    fn=rms_norm,
+    reference=rms_norm_reference,
+    test_cases=lambda: _norm_test_cases(True),
+    bench_cases=lambda: _norm_bench_cases(True),
+)
+
+LAYER_NORM_SPEC = OpSpec(
+    name="layer_norm",
+    fn=layer_norm,
+    reference=layer_norm_reference,
+    test_cases=lambda: _norm_test_cases(False),
+    bench_cases=lambda: _norm_bench_cases(False),
+)

@@ -1,0 +1,324 @@
+"""SwiGLU, the gated activation of Llama's MLP, forward and backward, and the whole MLP.
+
+    h  = silu(g) * u,                 silu(g) = g * sigmoid(g)
+    dg = dh * u * s * (1 + g * (1 - s)),  s = sigmoid(g)
+    du = dh * silu(g)
+
+Elementwise in float32, rounded once to the storage dtype (torch's eager `F.silu(g) * u` rounds
+twice). The forward reads g and u and writes h; the backward reads g, u, dh and writes dg, du,
+and can also write h again (the MLP recomputes it instead of storing it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..bench.runner import short_dtype
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+# 1024 elements over 4 warps: 8 per thread, one 16-byte access per bf16 operand.
+BLOCK_N = 1024
+
+
+@triton.jit
+def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, stride_h, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, N, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h,
+    STORE_H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + row * stride_dh + cols, mask=ok, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * s
+    tl.store(dg_ptr + row * stride_dg + cols, (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=ok)
+    tl.store(du_ptr + row * stride_du + cols, (dh * silu).to(du_ptr.dtype.element_ty), mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + row * stride_h + cols, (silu * u).to(h_ptr.dtype.element_ty), mask=ok)
+
+
+_launch_fwd = runtime.FastLaunch(_swiglu_fwd_kernel)
+_launch_bwd = runtime.FastLaunch(_swiglu_bwd_kernel)
+
+
+def _grid(rows: torch.Tensor) -> tuple[int, int]:
+    return rows.shape[0], triton.cdiv(rows.shape[1], BLOCK_N)
+
+
+def _fake_swiglu_fwd(gate, up):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@runtime.custom_op("swiglu_fwd", fake=_fake_swiglu_fwd)
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    h = runtime.empty(gate.shape, gate.dtype, gate.device)
+    if gate.numel() == 0:
+        return h
+    N = gate.shape[-1]
+    g, u = runtime.rows_view(gate, N), runtime.rows_view(up, N)
+    _launch_fwd(_grid(g), g, u, h, N, g.stride(0), u.stride(0), N, BLOCK=BLOCK_N, num_warps=4)
+    return h
+
+
+def _fake_swiglu_bwd(gate, up, dh, store_h, dg_into_dh):
+    shape = gate.shape
+    return (torch.empty(shape, dtype=gate.dtype, device=gate.device), torch.empty(shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(shape if store_h else (0,), dtype=gate.dtype, device=gate.device))
+
+
+def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: bool,
+               dg_into_dh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dg, du, h); h is empty unless `store_h`. With `dg_into_dh` (the caller owns dh and has no
+    other use for it) dg is written over dh, saving one buffer; a custom op's output may not
+    alias its input, so callers ask for that only in eager mode."""
+    N = gate.shape[-1]
+    g, u, d = runtime.rows_view(gate, N), runtime.rows_view(up, N), runtime.rows_view(dh, N)
+    in_place = dg_into_dh and d.is_contiguous() and d.data_ptr() == dh.data_ptr() and dh.dtype == gate.dtype
+    dg = dh if in_place else runtime.empty(gate.shape, gate.dtype, gate.device)
+    du = runtime.empty(gate.shape, gate.dtype, gate.device)
+    h = runtime.empty(gate.shape if store_h else (0,), gate.dtype, gate.device)
+    if gate.numel() == 0:
+        return dg, du, h
+    _launch_bwd(_grid(g), g, u, d, dg, du, h if store_h else du, N, g.stride(0), u.stride(0), d.stride(0), N, N, N,
+                STORE_H=store_h, BLOCK=BLOCK_N, num_warps=4)
+    return dg, du, h
+
+
+swiglu_bwd_op = runtime.custom_op("swiglu_bwd", fake=_fake_swiglu_bwd)(swiglu_bwd)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_fwd(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        dg, du, _ = swiglu_bwd_op(gate, up, dh, False, False)
+        return dg, du
+
+
+def _check(gate, up):
+    runtime.check_tensor("gate", gate, runtime.FLOAT_DTYPES, min_dim=1)
+    runtime.check_tensor("up", up, runtime.FLOAT_DTYPES, min_dim=1)
+    if up.shape != gate.shape:
+        raise ValueError(f"up has shape {tuple(up.shape)}, gate {tuple(gate.shape)}: they must match")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up has dtype {up.dtype}, gate {gate.dtype}: they must match")
+    runtime.check_same_device(gate=gate, up=up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in float32 and rounded once."""
+    _check(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return SwiGLUFunction.apply(gate, up)
+    return swiglu_fwd(gate, up)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+class SwiGLUMLPFunction(torch.autograd.Function):
+    """down(swiglu(gate(x), up(x))), saving x, gate(x) and up(x) for backward; the activation h
+    is recomputed there by the backward kernel instead of being stored."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        g = torch.nn.functional.linear(x, w_gate, b_gate)
+        u = torch.nn.functional.linear(x, w_up, b_up)
+        y = torch.nn.functional.linear(swiglu_fwd(g, u), w_down, b_down)
+        ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
+        ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
+        dh = dy @ w_down
+        dg, du, h = swiglu_bwd_op(g, u, dh, True, not torch.compiler.is_compiling())
+        x2, dy2, dg2, du2, h2 = (t.reshape(-1, t.shape[-1]) for t in (x, dy, dg, du, h))
+        dx = (dg2 @ w_gate).addmm_(du2, w_up).view(x.shape)
+        dw_gate, dw_up, dw_down = dg2.mT @ x2, du2.mT @ x2, dy2.mT @ h2
+        db = [t.sum(0) if has else None for t, has in zip((dg2, du2, dy2), ctx.has_bias)]
+        return dx, dw_gate, dw_up, dw_down, *db
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+               b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Llama's MLP, down(silu(gate(x)) * up(x)), with weights in nn.Linear's (out, in) layout.
+    Backward keeps x, gate(x) and up(x): two intermediate-sized activations a token, where eager
+    PyTorch keeps four."""
+    runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
+    hidden = x.shape[-1]
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        runtime.check_tensor(name, w, (x.dtype,), min_dim=2)
+    inter = w_gate.shape[0]
+    for name, w, shape in (("w_gate", w_gate, (inter, hidden)), ("w_up", w_up, (inter, hidden)),
+                           ("w_down", w_down, (hidden, inter))):
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for x with {hidden} features, got {tuple(w.shape)}")
+    runtime.check_same_device(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, b_gate=b_gate, b_up=b_up, b_down=b_down)
+    tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return SwiGLUMLPFunction.apply(*tensors)
+    g = torch.nn.functional.linear(x, w_gate, b_gate)
+    u = torch.nn.functional.linear(x, w_up, b_up)
+    return torch.nn.functional.linear(swiglu_fwd(g, u), w_down, b_down)
+
+
+def swiglu_mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
+    linear = torch.nn.functional.linear
+    return linear(swiglu_reference(linear(x, w_gate, b_gate), linear(x, w_up, b_up)), w_down, b_down)
+
+
+def _test_cases() -> list[TestCase]:
+    def case(id, shape, dtype, sliced=False, scale=1.0, gpu_only=False):
+        def make(device):
+            if sliced:  # gate and up as halves of one fused projection's output
+                gu = (torch.randn(*shape[:-1], 2 * shape[-1], device=device) * scale).to(dtype).requires_grad_(True)
+                return gu.chunk(2, dim=-1), {}
+            gate = (torch.randn(shape, device=device) * scale).to(dtype).requires_grad_(True)
+            up = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+            return (gate, up), {}
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = short_dtype(dt)
+        cases += [
+            case(f"{name}-1x1", (1, 1), dt),
+            case(f"{name}-3x5x1000", (3, 5, 1000), dt),
+            case(f"{name}-sliced-7x300", (7, 300), dt, sliced=True),
+            case(f"{name}-2048x14336", (2048, 14336), dt, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-large-gate", (4, 999), torch.float32, scale=100.0),
+        case("fp32-empty", (0, 9), torch.float32),
+    ]
+    return cases
+
+
+def _mlp_test_cases() -> list[TestCase]:
+    def case(id, tokens, hidden, inter, dtype, bias=False, gpu_only=False):
+        def make(device):
+            x = torch.randn(*tokens, hidden, device=device).to(dtype).requires_grad_(True)
+            ws = [(torch.randn(o, i, device=device) / i**0.5).to(dtype).requires_grad_(True)
+                  for o, i in ((inter, hidden), (inter, hidden), (hidden, inter))]
+            bs = [torch.randn(n, device=device).to(dtype).requires_grad_(True) if bias else None
+                  for n in (inter, inter, hidden)]
+            return (x, *ws, *bs), {}
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = [case(f"{short_dtype(dt)}-2x5x48-128", (2, 5), 48, 128, dt) for dt in runtime.FLOAT_DTYPES]
+    cases += [
+        case("fp32-bias-7x33-70", (7,), 33, 70, torch.float32, bias=True),
+        case("bf16-4x512x1024-2816", (4, 512), 1024, 2816, torch.bfloat16, gpu_only=True),
+    ]
+    return cases
+
+
+def _bench_cases() -> list[BenchCase]:
+    cases = []
+    for M, N in [(8192, 14336), (4096, 11008), (16384, 4096), (256, 1024)]:
+        dtype = torch.bfloat16
+        quick = M == 256
+
+        def setup(mode, M=M, N=N, dtype=dtype):
+            device = runtime.DEVICE
+            g = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
+            u = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
+            dh = torch.randn(M, N, device=device, dtype=dtype)
+            lg = peers.liger()
+            providers = {
+                "tritonformer": lambda: swiglu(g, u),
+                "torch": lambda: swiglu_reference(g, u),
+                "torch.compile": peers.compiled(swiglu_reference, g, u),
+                "liger": (lambda: lg.LigerSiLUMulFunction.apply(g, u)) if lg else None,
+            }
+            if mode == "fwd":
+                return Bench(peers.available(providers), reference=lambda: swiglu_reference(g.double(), u.double()))
+
+            def fwd_bwd(fn):
+                return None if fn is None else lambda: torch.autograd.grad(fn(), (g, u), dh)
+
+            def reference():
+                leaves = [g.detach().double().requires_grad_(True), u.detach().double().requires_grad_(True)]
+                return torch.autograd.grad(swiglu_reference(*leaves), leaves, dh.double())
+
+            return Bench(peers.available({k: fwd_bwd(v) for k, v in providers.items()}), reference=reference)
+
+        size = M * N * dtype.itemsize
+        shape = f"{M}x{N}"
+        cases.append(BenchCase("swiglu", "fwd", dtype, shape, M * N, lambda s=setup: s("fwd"), bytes=3 * size,
+                               plot=f"forward {short_dtype(dtype)}", quick=quick))
+        # forward: g, u read, h written; backward: g, u, dh read, dg, du written.
+        cases.append(BenchCase("swiglu", "fwd+bwd", dtype, shape, M * N, lambda s=setup: s("fwd+bwd"),
+                               bytes=8 * size, plot=f"forward+backward {short_dtype(dtype)}", quick=quick))
+    return cases
+
+
+def _mlp_bench_cases() -> list[BenchCase]:
+    cases = []
+    for tokens, hidden, inter in [(8192, 4096, 14336), (8192, 2048, 8192), (64, 256, 512)]:
+        dtype = torch.bfloat16
+
+        def setup(tokens=tokens, hidden=hidden, inter=inter, dtype=dtype):
+            device = runtime.DEVICE
+            x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+            ws = [(torch.randn(o, i, device=device) / i**0.5).to(dtype).requires_grad_(True)
+                  for o, i in ((inter, hidden), (inter, hidden), (hidden, inter))]
+            dy = torch.randn(tokens, hidden, device=device, dtype=dtype)
+            inputs = (x, *ws)
+            lg = peers.liger()
+
+            def liger_mlp():
+                g = torch.nn.functional.linear(x, ws[0])
+                u = torch.nn.functional.linear(x, ws[1])
+                return torch.nn.functional.linear(lg.LigerSiLUMulFunction.apply(g, u), ws[2])
+
+            def fwd_bwd(fn):
+                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, dy)
+
+            def reference():
+                leaves = [t.detach().float().requires_grad_(True) for t in inputs]
+                return torch.autograd.grad(swiglu_mlp_reference(*leaves), leaves, dy.float())
+
+            return Bench(peers.available({
+                "tritonformer": fwd_bwd(lambda: swiglu_mlp(*inputs)),
+                "torch": fwd_bwd(lambda: swiglu_mlp_reference(*inputs)),
+                "torch.compile": fwd_bwd(peers.compiled(swiglu_mlp_reference, *inputs)),
+                "liger": fwd_bwd(liger_mlp if lg else None),
+            }), reference=reference)
+
+        cases.append(BenchCase("swiglu_mlp", "fwd+bwd", dtype, f"{tokens}x{hidden}x{inter}", tokens * inter, setup,
+                               flops=3 * 2 * 3 * tokens * hidden * inter, plot=f"forward+backward {short_dtype(dtype)}",
+                               quick=tokens == 64))
+    return cases
+
+
+SPEC = OpSpec(name="swiglu", fn=swiglu, reference=swiglu_reference, test_cases=_test_cases, bench_cases=_bench_cases)
+
+MLP_SPEC = OpSpec(name="swiglu_mlp", fn=swiglu_mlp, reference=swiglu_mlp_reference, test_cases=_mlp_test_cases,
+                  bench_cases=_mlp_bench_cases, compare="norm")

@@ -1,0 +1,286 @@
+import pytest
+import torch
+
+import tritonformer as tf
+from tritonformer import nn
+from tritonformer.ops import rope as rope_op
+from tritonformer.testing import assert_close
+
+from conftest import gpu_only
+from helpers import compile_fullgraph, foreign_device_tensor
+
+
+def _inputs(device, B=2, Hq=3, Hk=1, S=6, D=8, layout="bhsd", dtype=torch.float32):
+    shape = (lambda H: (B, H, S, D)) if layout == "bhsd" else (lambda H: (B, S, H, D))
+    q = torch.randn(shape(Hq), device=device).to(dtype)
+    k = torch.randn(shape(Hk), device=device).to(dtype)
+    cos, sin = (torch.rand(S, D, device=device) * 2 - 1 for _ in range(2))
+    return q, k, cos, sin
+
+
+def _reference(q, k, cos, sin, layout="bhsd"):
+    return rope_op.apply_rope_reference(q.double(), k.double(), cos.double(), sin.double(), layout)
+
+
+def _reference_grads(q, k, cos, sin, douts, layout="bhsd"):
+    q64, k64 = (t.detach().double().requires_grad_(True) for t in (q, k))
+    return torch.autograd.grad(_reference(q64, k64, cos, sin, layout), (q64, k64), tuple(d.double() for d in douts))
+
+
+def test_backward_is_the_transposed_rotation(device):
+    # Halves of cos and sin that differ, as in every registry case: dx1 = dy1 c1 + dy2 s2 and
+    # dx2 = dy2 c2 - dy1 s1, against autograd of the reference.
+    q, k, cos, sin = _inputs(device, S=9, D=16)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    outs = tf.apply_rope(q, k, cos, sin)
+    douts = tuple(torch.randn_like(o) for o in outs)
+    for g, r in zip(torch.autograd.grad(outs, (q, k), douts), _reference_grads(q, k, cos, sin, douts)):
+        assert_close(g, r, torch.float32)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of a few positions and two heads, chunks of four heads: many position blocks, several
+    steps a program and partial steps, on shapes the interpreter runs quickly."""
+    monkeypatch.setattr(rope_op, "STEP_BYTES", 256)
+    monkeypatch.setattr(rope_op, "HEADS_PER_STEP", 2)
+    monkeypatch.setattr(rope_op, "HEADS_PER_PROGRAM", 4)
+    rope_op._launch_shape.cache_clear()
+    yield
+    rope_op._launch_shape.cache_clear()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_many_blocks_steps_and_chunks(dtype, layout, device, small_tiles):
+    q, k, cos, sin = _inputs(device, B=2, Hq=7, Hk=5, S=7, D=16, layout=layout, dtype=dtype)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    _, _, n_blocks, per_program, q_chunks, n_chunks = rope_op._launch_shape(2, 7, 7, 5, 16, dtype.itemsize, 0)
+    assert n_blocks > 1 and (per_program, q_chunks, n_chunks) == (4, 2, 4)
+    outs = tf.apply_rope(q, k, cos, sin, layout)
+    for out, exp in zip(outs, _reference(q.detach(), k.detach(), cos, sin, layout)):
+        assert_close(out, exp, dtype)
+    douts = tuple(torch.randn_like(o) for o in outs)
+    grads = torch.autograd.grad(outs, (q, k), douts)
+    for g, r in zip(grads, _reference_grads(q, k, cos, sin, douts, layout)):
+        assert_close(g, r, dtype)
+
+
+def test_per_batch_table_equals_position_ids_gather(device):
+    # HF's LlamaRotaryEmbedding returns (B, S, D) tables from position_ids: rows of one table.
+    B, Hq, Hk, S, D = 3, 2, 1, 7, 16
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+    angles = torch.arange(64, device=device, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), -1)
+    table_cos, table_sin = emb.cos(), emb.sin()
+    position_ids = torch.stack([torch.randperm(64, device=device)[:S] for _ in range(B)])
+    q, k, _, _ = _inputs(device, B, Hq, Hk, S, D)
+    qe, ke = tf.apply_rope(q, k, table_cos[position_ids], table_sin[position_ids])
+    for b in range(B):
+        cos_b, sin_b = table_cos[position_ids[b]], table_sin[position_ids[b]]
+        qb, kb = tf.apply_rope(q[b:b + 1], k[b:b + 1], cos_b, sin_b)
+        assert torch.equal(qe[b:b + 1], qb) and torch.equal(ke[b:b + 1], kb)
+        rq, rk = _reference(q[b:b + 1], k[b:b + 1], cos_b, sin_b)
+        assert_close(qb, rq, torch.float32)
+        assert_close(kb, rk, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_inplace_without_grad_writes_into_q_and_k(layout, device):
+    q, k, cos, sin = _inputs(device, layout=layout, dtype=torch.bfloat16)
+    expected = _reference(q, k, cos, sin, layout)
+    versions = q._version, k._version
+    qe, ke = tf.apply_rope(q, k, cos, sin, layout, inplace=True)
+    assert qe is q and ke is k
+    assert q._version > versions[0] and k._version > versions[1]
+    assert_close(q, expected[0], torch.bfloat16)
+    assert_close(k, expected[1], torch.bfloat16)
+
+
+def test_inplace_under_inference_mode(device):
+    with torch.inference_mode():
+        q, k, cos, sin = _inputs(device)
+        expected = _reference(q, k, cos, sin)
+        tf.apply_rope(q, k, cos, sin, inplace=True)
+    assert_close(q, expected[0], torch.float32)
+    assert_close(k, expected[1], torch.float32)
+
+
+def test_inplace_with_grad_on_views_of_a_fused_projection(device):
+    # HF-style: q and k are views of one projection's output, rotated in place; the gradient
+    # reaching the projection equals the out-of-place one, and the untouched slice gets zero.
+    B, S, Hq, Hk, D = 2, 5, 3, 1, 8
+    x = torch.randn(B, S, Hq + 2 * Hk, D, device=device, requires_grad=True)
+    _, _, cos, sin = _inputs(device, S=S, D=D)
+
+    def grad_of_x(inplace):
+        y = x * 1.0
+        outs = tf.apply_rope(y[:, :, :Hq], y[:, :, Hq:Hq + Hk], cos, sin, "bshd", inplace=inplace)
+        (g,) = torch.autograd.grad(outs, x, (dq, dk))
+        return outs, g
+
+    dq, dk = torch.randn(B, S, Hq, D, device=device), torch.randn(B, S, Hk, D, device=device)
+    (qe, ke), g = grad_of_x(inplace=True)
+    (qe_ref, ke_ref), g_ref = grad_of_x(inplace=False)
+    assert torch.equal(qe, qe_ref) and torch.equal(ke, ke_ref)
+    assert torch.equal(g, g_ref)
+    assert not g[:, :, Hq + Hk:].any()
+
+
+def test_inplace_refuses_leaves_requiring_grad_before_writing(device):
+    q, k, cos, sin = _inputs(device)
+    q.requires_grad_(True)
+    before = q.detach().clone()
+    with pytest.raises(ValueError, match="q is a leaf tensor that requires grad"):
+        tf.apply_rope(q, k, cos, sin, inplace=True)
+    with pytest.raises(ValueError, match="q is a leaf tensor that requires grad, or a view of one"):
+        tf.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, "bshd", inplace=True)
+    assert torch.equal(q.detach(), before)
+
+
+def test_inplace_on_a_tensor_saved_for_backward_raises_at_backward(device):
+    q, k, cos, sin = _inputs(device)
+    w = torch.randn(q.shape[-1], device=device, requires_grad=True)
+    y = q * w  # saves q for the gradient of w
+    tf.apply_rope(q, k, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_compiles_forward_and_backward_without_graph_break(layout, device):
+    q, k, cos, sin = _inputs(device, layout=layout)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    qe, ke = compile_fullgraph(lambda a, b, c, s: tf.apply_rope(a * 2, b, c, s, layout))(q, k, cos, sin)
+    douts = (torch.randn_like(qe), torch.randn_like(ke))
+    grads = torch.autograd.grad((qe, ke), (q, k), douts)
+    q64, k64 = (t.detach().double().requires_grad_(True) for t in (q, k))
+    expected = _reference(q64 * 2, k64, cos, sin, layout)
+    expected_grads = torch.autograd.grad(expected, (q64, k64), tuple(d.double() for d in douts))
+    for out, exp in zip((qe, ke, *grads), (*expected, *expected_grads)):
+        assert_close(out, exp, torch.float32)
+
+
+def test_compiles_inplace_with_and_without_grad(device):
+    q, k, cos, sin = _inputs(device, layout="bshd")
+    expected = _reference(q, k, cos, sin, "bshd")
+    compiled = compile_fullgraph(lambda a, b, c, s: tf.apply_rope(a, b, c, s, "bshd", inplace=True))
+    compiled(q, k, cos, sin)
+    assert_close(q, expected[0], torch.float32)
+    assert_close(k, expected[1], torch.float32)
+
+    x = torch.randn(2, 6, 4, 8, device=device, requires_grad=True)
+
+    def rotate_projection(x, c, s):
+        y = x * 1.0
+        return tf.apply_rope(y[:, :, :3], y[:, :, 3:], c, s, "bshd", inplace=True)
+
+    outs = compile_fullgraph(rotate_projection)(x, cos, sin)
+    douts = tuple(torch.randn_like(o) for o in outs)
+    (g,) = torch.autograd.grad(outs, (x,), douts)
+    x64 = x.detach().double().requires_grad_(True)
+    expected = _reference(x64[:, :, :3], x64[:, :, 3:], cos, sin, "bshd")
+    (g_ref,) = torch.autograd.grad(expected, (x64,), tuple(d.double() for d in douts))
+    for out, exp in zip((*outs, g), (*expected, g_ref)):
+        assert_close(out, exp, torch.float32)
+
+
+def test_cos_sin_requiring_grad_is_refused(device):
+    q, k, cos, sin = _inputs(device)
+    with pytest.raises(ValueError, match="gradients with respect to cos and sin are not supported"):
+        tf.apply_rope(q, k, cos.requires_grad_(True), sin)
+    with torch.no_grad():
+        qe, _ = tf.apply_rope(q, k, cos, sin)
+    assert_close(qe, _reference(q, k, cos.detach(), sin)[0], torch.float32)
+
+
+def test_64_bit_offsets_path(device, monkeypatch):
+    # The interpreter cannot afford a 2^31-element tensor: force the 64-bit offsets path on a
+    # small one (the GPU test below crosses 2^31 for real).
+    monkeypatch.setattr(rope_op.runtime, "needs_int64", lambda *tensors: True)
+    q, k, cos, sin = _inputs(device, layout="bshd", dtype=torch.float16)
+    q.requires_grad_(True)
+    outs = tf.apply_rope(q, k, cos, sin, "bshd")
+    for out, exp in zip(outs, _reference(q.detach(), k, cos, sin, "bshd")):
+        assert_close(out, exp, torch.float16)
+    douts = (torch.randn_like(outs[0]), torch.randn_like(outs[1]))
+    (g,) = torch.autograd.grad(outs[:1], (q,), douts[:1])
+    assert_close(g, _reference_grads(q, k, cos, sin, douts, "bshd")[0], torch.float16)
+
+
+@gpu_only
+def test_offsets_past_2_to_the_31(device):
+    # Batch row 1 of q starts 2^31 elements into its storage; only the two rows are touched.
+    B, H, S, D = 2, 2, 16, 64
+    storage = torch.empty(2**31 + H * S * D, device=device, dtype=torch.bfloat16)
+    q = storage.as_strided((B, H, S, D), (2**31, S * D, D, 1))
+    q[0].normal_()
+    q[1].normal_()
+    _, k, cos, sin = _inputs(device, B, H, 1, S, D, dtype=torch.bfloat16)
+    qe, ke = tf.apply_rope(q, k, cos, sin)
+    expected = _reference(q, k, cos, sin)
+    assert_close(qe, expected[0], torch.bfloat16)
+    assert_close(ke, expected[1], torch.bfloat16)
+
+
+def test_module_applies_rope_in_its_layout(device):
+    module = nn.ApplyRope(layout="bshd")
+    q, k, cos, sin = _inputs(device, layout="bshd")
+    for out, exp in zip(module(q, k, cos, sin), _reference(q, k, cos, sin, "bshd")):
+        assert_close(out, exp, torch.float32)
+    assert "bshd" in repr(module)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        nn.ApplyRope(layout="sbhd")
+
+
+def _bad(**changes):
+    """Arguments for apply_rope on fresh small inputs, with some replaced."""
+    def make(device):
+        q, k, cos, sin = _inputs(device, B=2, Hq=3, Hk=1, S=5, D=8)
+        args = {"q": q, "k": k, "cos": cos, "sin": sin}
+        args.update({name: change(device) for name, change in changes.items() if callable(change)})
+        args.update({name: v for name, v in changes.items() if not callable(v)})
+        return args
+    return make
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (_bad(q=lambda d: torch.randn(2, 3, 5, 8, device=d, dtype=torch.float64)), TypeError,
+         "q has dtype torch.float64"),
+        (_bad(k=lambda d: torch.ones(2, 1, 5, 8, device=d, dtype=torch.int32)), TypeError, "k has dtype torch.int32"),
+        (_bad(k=lambda d: torch.randn(2, 1, 5, 8, device=d, dtype=torch.float16)), TypeError,
+         "k has dtype torch.float16 but q"),
+        (_bad(cos=lambda d: torch.ones(5, 8, device=d, dtype=torch.int64)), TypeError, "cos has dtype torch.int64"),
+        (_bad(sin=[[0.0] * 8] * 5), TypeError, "sin must be a torch.Tensor"),
+        (_bad(q=lambda d: foreign_device_tensor()), ValueError, "q is on meta"),
+        (_bad(q=lambda d: torch.randn(2, 3, 5, device=d)), ValueError, "q must have 4 dimensions"),
+        (_bad(k=lambda d: torch.randn(1, 2, 1, 5, 8, device=d)), ValueError, "k must have 4 dimensions"),
+        (_bad(q=lambda d: torch.randn(2, 3, 5, 7, device=d), k=lambda d: torch.randn(2, 1, 5, 7, device=d)),
+         ValueError, "must be even"),
+        (_bad(k=lambda d: torch.randn(3, 1, 5, 8, device=d)), ValueError, "k has shape \\(3, 1, 5, 8\\)"),
+        (_bad(k=lambda d: torch.randn(2, 1, 6, 8, device=d)), ValueError, "k has shape \\(2, 1, 6, 8\\)"),
+        (_bad(k=lambda d: torch.randn(2, 1, 5, 4, device=d)), ValueError, "k has shape \\(2, 1, 5, 4\\)"),
+        (_bad(cos=lambda d: torch.randn(6, 8, device=d)), ValueError, "cos has shape \\(6, 8\\)"),
+        (_bad(cos=lambda d: torch.randn(5, 4, device=d)), ValueError, "cos has shape \\(5, 4\\)"),
+        (_bad(sin=lambda d: torch.randn(3, 5, 8, device=d)), ValueError, "sin has shape \\(3, 5, 8\\)"),
+        (_bad(sin=lambda d: torch.randn(2, 1, 5, 8, device=d)), ValueError, "sin has shape \\(2, 1, 5, 8\\)"),
+        (_bad(layout="sbhd"), ValueError, "layout must be 'bhsd'"),
+        (_bad(inplace=1), TypeError, "inplace must be a bool"),
+    ],
+)
+def test_bad_input_is_named(make, error, match, device):
+    with pytest.raises(error, match=match):
+        tf.apply_rope(**make(device))
+
+
+def test_bshd_shapes_are_checked_in_their_order(device):
+    q, k, cos, sin = _inputs(device, layout="bshd")  # q (2, 6, 3, 8)
+    with pytest.raises(ValueError, match="k has shape"):
+        tf.apply_rope(q, k.transpose(1, 2), cos, sin, "bshd")
+    with pytest.raises(ValueError, match="cos has shape"):
+        tf.apply_rope(q, k, cos[:3], sin, "bshd")
