@@ -12,7 +12,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -n 4 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m tritonformer bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60

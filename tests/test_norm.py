@@ -115,3 +115,17 @@ def test_compiles_without_graph_breaks(device, fn):
     got = torch.autograd.grad(compile_fullgraph(loss)(x, w), (x, w))
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "norm")
+
+
+def test_layer_norm_backward_reloading_the_weight(device, monkeypatch):
+    monkeypatch.setattr(norm, "RELOAD_W_FROM_N", 64)
+    x = torch.randn(9, 100, device=device, requires_grad=True)
+    w = torch.randn(100, device=device, requires_grad=True)
+    b = torch.randn(100, device=device, requires_grad=True)
+    dy = torch.randn(9, 100, device=device)
+    grads = torch.autograd.grad(tritonformer.layer_norm(x, w, b), (x, w, b), dy)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    expected = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], (100,), leaves[1], leaves[2]), leaves,
+                                   dy.double())
+    for g, e in zip(grads, expected):
+        assert_close(g, e, torch.float32, "norm")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def _bench(args: argparse.Namespace) -> int:
     rows = runner.run(ops, quick, ceilings=ceilings)
     out_dir = args.out or Path("bench-out") / ceilings["device_slug"]
     report_path = report.write_report(rows, ceilings, out_dir)
+    (out_dir / "configs.json").write_text(json.dumps(runtime.TunedLauncher.chosen_configs(), indent=1, default=str))
     print(report.summary_table(rows))
     print(f"\nwrote {report_path}, {out_dir / 'results.csv'} and one PNG per op")
     failures = [row for row in rows if runner.ours_failed(row)]

@@ -127,10 +127,19 @@ class TunedLauncher:
     (20-45 us of host time measured on the H100 machine, more than a small matmul's GPU time).
     `grid(config)` maps the config's meta-parameters to the launch grid."""
 
+    instances: list["TunedLauncher"] = []
+
     def __init__(self, autotuned):
         self.autotuned = autotuned
         self.launch = FastLaunch(autotuned.fn)
         self.chosen: dict[tuple, dict] = {}
+        TunedLauncher.instances.append(self)
+
+    @classmethod
+    def chosen_configs(cls) -> dict[str, dict[str, dict]]:
+        """Every config chosen so far, by kernel name and key (what a benchmark run tuned to)."""
+        return {t.autotuned.fn.__name__: {repr(key): config for key, config in t.chosen.items()}
+                for t in cls.instances if t.chosen}
 
     def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> tuple | None:
         """Launch; returns (FastLaunch entry, grid) for replays, or None while still tuning."""

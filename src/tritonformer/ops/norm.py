@@ -31,32 +31,27 @@ from ..spec import Bench, BenchCase, OpSpec, TestCase
 # 32768 float32 values fill 32 registers per thread of a 32-warp program (the softmax bound).
 FUSED_MAX_N = 32768
 LOOP_CHUNK = 4096
-# Backward programs per SM: enough loads in flight to cover latency; each adds one partial row
-# of dw (N float32) to read back at the end.
-BWD_PROGRAMS_PER_SM = 4
+# Launch shapes from a sweep on the H100 (scripts/sweep_launch.py, docs/perf-notes.md): one row a
+# program from 2048 columns up, 8 to 16 values a thread, 16 warps at most; backward programs one
+# or two an SM, each looping over its rows with its dw/db partial sums in registers.
+ROWS_ELEMENTS = 2048
+MAX_WARPS = 16
+# LayerNorm's backward over rows this long spills with the weight held in registers next to two
+# partial sums: it reloads the weight for each row instead (an L1/L2 hit).
+RELOAD_W_FROM_N = 16384
 
 
-def _row_configs():
-    # The interpreter takes the first: many rows a program, few programs to step through.
-    return [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (16, 8, 4, 2, 1) for w in (4, 8, 16, 32)]
+def _launch_shape(n: int) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps for rows of n elements held in registers."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, ROWS_ELEMENTS // block_n)
+    return block_m, block_n, min(MAX_WARPS, max(4, block_m * block_n // 512))
 
 
-def _prune_row_configs(configs, named_args, **kwargs):
-    """Keep tiles of 1K to 32K elements with 4 to 64 of them a thread (fewer starves the loads,
-    more spills)."""
-    block_n = kwargs["BLOCK_N"]
-    kept = [c for c in configs
-            if 1024 <= c.kwargs["BLOCK_M"] * block_n <= 32768
-            and 4 <= c.kwargs["BLOCK_M"] * block_n // (32 * c.num_warps) <= 64]
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.num_warps))]
+def _bwd_programs(M: int, block_n: int) -> int:
+    return max(1, min(M, runtime.num_sms() * (2 if block_n <= 4096 else 1)))
 
 
-def _row_autotune():
-    return runtime.autotune(_row_configs(), key=["N", "RMS", "HAS_W", "HAS_B", "ROUND_XHAT"],
-                            prune_configs_by={"early_config_prune": _prune_row_configs})
-
-
-@_row_autotune()
 @triton.jit
 def _norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_xm, stride_ym, eps, offset,
@@ -101,19 +96,18 @@ def _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_dtype: tl.constexpr,
     return y
 
 
-@_row_autotune()
 @triton.jit
 def _norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_xm, stride_dym, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if HAS_W:
+    if HAS_W and not RELOAD_W:
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     dw = tl.zeros((BLOCK_N,), tl.float32)
     db = tl.zeros((BLOCK_N,), tl.float32)
@@ -131,6 +125,8 @@ def _norm_bwd_kernel(
             mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_W:
+            if RELOAD_W:
+                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
             g = dy * w[None, :]
             xhat_w = xhat.to(x_ptr.dtype.element_ty).to(tl.float32) if ROUND_XHAT else xhat
             dw += tl.sum(dy * xhat_w, axis=0)
@@ -237,9 +233,9 @@ def _norm_bwd_looped_kernel(
             tl.store(dx_ptr + row64 * stride_dxm + offs, (dx * rstd).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
-_launch_fwd = runtime.TunedLauncher(_norm_fwd_kernel)
+_launch_fwd = runtime.FastLaunch(_norm_fwd_kernel)
 _launch_fwd_looped = runtime.FastLaunch(_norm_fwd_looped_kernel)
-_launch_bwd = runtime.TunedLauncher(_norm_bwd_kernel)
+_launch_bwd = runtime.FastLaunch(_norm_bwd_kernel)
 _launch_bwd_looped = runtime.FastLaunch(_norm_bwd_looped_kernel)
 
 
@@ -250,44 +246,45 @@ def _flags(rms: bool, weight, bias, offset: float) -> dict:
 
 
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-             offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd); mean is empty for rms_norm."""
+             offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, stats): stats holds rstd per row, then (layer_norm) the mean per row, in one buffer:
+    one allocation less on a host path where each costs microseconds."""
     N = x.shape[-1]
     x_rows = runtime.rows_view(x, N)
     M = x_rows.shape[0]
     y = runtime.empty(x.shape, out_dtype, x.device)
-    rstd = runtime.empty((M,), torch.float32, x.device)
-    mean = runtime.empty((0,) if rms else (M,), torch.float32, x.device)
+    stats = runtime.empty((M if rms else 2 * M,), torch.float32, x.device)
+    rstd, mean = stats[:M], stats[M:]
     if x.numel() == 0:
-        return y, mean, rstd
+        return y, stats
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
-        _launch_fwd((N, x.dtype, out_dtype, *flags.values()), lambda c: (triton.cdiv(M, c["BLOCK_M"]),),
-                    x_rows, w, b, y, mean, rstd, M, N, x_rows.stride(0), N, float(eps), float(offset),
-                    **flags, BLOCK_N=triton.next_power_of_2(N))
+        block_m, block_n, num_warps = _launch_shape(N)
+        _launch_fwd((triton.cdiv(M, block_m),), x_rows, w, b, y, mean, rstd, M, N, x_rows.stride(0), N,
+                    float(eps), float(offset), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
         _launch_fwd_looped((M,), x_rows, w, b, y, mean, rstd, N, x_rows.stride(0), N, float(eps), float(offset),
                            **flags, CHUNK=LOOP_CHUNK, num_warps=8)
-    return y, mean, rstd
+    return y, stats
 
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             mean: torch.Tensor, rstd: torch.Tensor, offset: float, rms: bool,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db); dw and db are empty without a weight or bias."""
+             stats: torch.Tensor, offset: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, sums): sums holds dw then db (those that exist) as float32 rows."""
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
     M = x_rows.shape[0]
+    rstd, mean = stats[:M], stats[M:]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > FUSED_MAX_N
-    # Programs past the last row store zero partials; the count does not depend on the tile, so
-    # the partial buffers fit every config the autotuner tries.
-    programs = max(1, min(M, runtime.num_sms() * BWD_PROGRAMS_PER_SM))
-    # The looped kernel accumulates into its partial rows, so they start at zero.
-    partials = torch.zeros if looped else runtime.empty
-    dw_part = partials((programs, N) if weight is not None else (0,), dtype=torch.float32, device=x.device)
-    db_part = partials((programs, N) if bias is not None else (0,), dtype=torch.float32, device=x.device)
+    block_m, block_n, num_warps = _launch_shape(N)
+    programs = _bwd_programs(M, 1 if looped else block_n)
+    # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
+    n_params = (weight is not None) + (bias is not None)
+    parts = (torch.zeros if looped else runtime.empty)((n_params, programs, N), dtype=torch.float32, device=x.device)
+    dw_part = parts[0] if weight is not None else parts
+    db_part = parts[n_params - 1] if bias is not None else parts
     if M > 0 and N > 0:
         flags = _flags(rms, weight, bias, offset)
         args = (x_rows, _or(weight, x_rows), dy_rows, dx, mean, rstd, dw_part, db_part, M, N,
@@ -295,9 +292,9 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
         if looped:
             _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=8)
         else:
-            _launch_bwd((N, x.dtype, dy.dtype, *flags.values()), lambda c: (programs,), *args, **flags,
-                        BLOCK_N=triton.next_power_of_2(N))
-    return dx, _reduce_partials(dw_part, weight, M), _reduce_partials(db_part, bias, M)
+            _launch_bwd((programs,), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                        RELOAD_W=not rms and block_n >= RELOAD_W_FROM_N, num_warps=num_warps)
+    return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -305,24 +302,15 @@ def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     return t if t is not None else placeholder
 
 
-def _reduce_partials(part: torch.Tensor, param: torch.Tensor | None, M: int) -> torch.Tensor:
-    if param is None:
-        return part.new_empty(0)
-    if M == 0:
-        return torch.zeros_like(param)
-    return part.sum(0).to(param.dtype)
-
-
 def _fake_norm_fwd(x, weight, bias, eps, offset, rms, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((0,) if rms else (rows,), dtype=torch.float32),
-            x.new_empty((rows,), dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows if rms else 2 * rows,), dtype=torch.float32)
 
 
-def _fake_norm_bwd(dy, x, weight, bias, mean, rstd, offset, rms):
+def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms):
+    n_params = (weight is not None) + (bias is not None)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(weight) if weight is not None else x.new_empty(0),
-            torch.empty_like(bias) if bias is not None else x.new_empty(0))
+            x.new_empty((n_params, x.shape[-1]), dtype=torch.float32))
 
 
 norm_fwd = runtime.custom_op("norm_fwd", fake=_fake_norm_fwd)(norm_fwd)
@@ -332,16 +320,18 @@ norm_bwd = runtime.custom_op("norm_bwd", fake=_fake_norm_bwd)(norm_bwd)
 class NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, offset, rms, out_dtype):
-        y, mean, rstd = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        y, stats = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+        ctx.save_for_backward(x, weight, bias, stats)
         ctx.offset, ctx.rms = offset, rms
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = norm_bwd(dy, x, weight, bias, mean, rstd, ctx.offset, ctx.rms)
-        return dx, dw if weight is not None else None, db if bias is not None else None, None, None, None, None
+        x, weight, bias, stats = ctx.saved_tensors
+        dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms)
+        dw = sums[0].to(weight.dtype) if weight is not None else None
+        db = sums[-1].to(bias.dtype) if bias is not None else None
+        return dx, dw, db, None, None, None, None
 
 
 def _normalize(x, weight, bias, eps, offset, rms, out_dtype):

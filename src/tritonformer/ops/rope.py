@@ -34,21 +34,14 @@ from ..spec import Bench, BenchCase, OpSpec, TestCase
 LAYOUTS = ("bhsd", "bshd")
 TABLE_DTYPES = (*runtime.FLOAT_DTYPES, torch.float64)
 
-# Launch shape, chosen from the compiled code (ptxas for sm_90a, triton 3.6) and not yet timed on
-# a GPU. A step reads BLOCK_S positions x HEADS_PER_STEP heads of q or k, STEP_BYTES in all: with
-# D = 128 bf16, 16 x 2, which Triton lays out as one position, both heads and 8 contiguous values
-# a thread per half at NUM_WARPS = 4. A thread then holds its cos/sin values once for both heads:
-# 72 registers, 7 programs (28 warps) an SM, 64 bytes of loads in flight a thread. Positions
-# first in the tile is what makes that layout: heads first spread heads over threads, each
-# holding its own copy of cos/sin (123 registers). Tiles of under 8 cos values a thread (e.g.
-# 8 positions at D = 128) get cos/sin in another layout, converted through shared memory.
-STEP_BYTES = 8192
-HEADS_PER_STEP = 2
-NUM_WARPS = 4
-# Each program reads its block's cos and sin once: at 8 heads a program (4 steps), the cos/sin
-# reads (L2 hits after the first chunk of a block) add a quarter to the q/k reads when all are
-# bf16. Fewer heads a program when that leaves under MIN_PROGRAMS_PER_SM programs per SM.
-HEADS_PER_PROGRAM = 8
+# Launch shape per layout, from a sweep on the H100 (scripts/sweep_launch.py; docs/perf-notes.md),
+# as (STEP_BYTES, HEADS_PER_STEP, HEADS_PER_PROGRAM, NUM_WARPS). A step reads BLOCK_S positions x
+# HEADS_PER_STEP heads of q or k, STEP_BYTES in all. In (B, H, S, D) memory a head's positions are
+# contiguous: one head a step, 32 positions (2.71 TB/s at q (4,32,4096,128) bf16). In (B, S, H, D)
+# a position's heads are: four heads a step (2.85 TB/s). Each program reads its block's cos and sin
+# once and rotates HEADS_PER_PROGRAM heads; fewer when that leaves under MIN_PROGRAMS_PER_SM
+# programs per SM.
+LAUNCH = {False: (8192, 1, 8, 4), True: (8192, 4, 8, 8)}
 MIN_PROGRAMS_PER_SM = 4
 
 
@@ -137,18 +130,21 @@ def _rope_kernel(
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_shape(B: int, S: int, Hq: int, Hk: int, D: int, itemsize: int, device_index: int) -> tuple[int, ...]:
-    """BLOCK_HALF, BLOCK_S, position blocks, heads per program, q chunks, chunks (q and k)."""
+def _launch_shape(B: int, S: int, Hq: int, Hk: int, D: int, itemsize: int, bshd: bool,
+                  device_index: int) -> tuple[int, ...]:
+    """BLOCK_HALF, BLOCK_S, position blocks, heads per program, q chunks, chunks (q and k), heads
+    per step, num_warps."""
+    step_bytes, per_step, per_program, num_warps = LAUNCH[bshd]
     block_half = triton.next_power_of_2(D // 2)
-    block_s = min(triton.next_power_of_2(S), max(1, STEP_BYTES // (HEADS_PER_STEP * 2 * block_half * itemsize)))
+    block_s = min(triton.next_power_of_2(S), max(1, step_bytes // (per_step * 2 * block_half * itemsize)))
     n_blocks = triton.cdiv(S, block_s)
     min_programs = MIN_PROGRAMS_PER_SM * runtime.num_sms(device_index)
-    per_program = HEADS_PER_PROGRAM
-    while per_program > HEADS_PER_STEP and (
+    while per_program > per_step and (
             B * n_blocks * (triton.cdiv(Hq, per_program) + triton.cdiv(Hk, per_program)) < min_programs):
         per_program //= 2
     q_chunks = triton.cdiv(Hq, per_program)
-    return block_half, block_s, n_blocks, per_program, q_chunks, q_chunks + triton.cdiv(Hk, per_program)
+    n_chunks = q_chunks + triton.cdiv(Hk, per_program)
+    return block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps
 
 
 def _head_strides(t: torch.Tensor, bshd: bool) -> tuple[int, int, int, int]:
@@ -176,15 +172,15 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
         k = k_out = q
     if B == 0 or S == 0 or D == 0 or Hq + Hk == 0:
         return
-    block_half, block_s, n_blocks, per_program, q_chunks, n_chunks = _launch_shape(
-        B, S, Hq, Hk, D, q.element_size(), q.device.index or 0)
+    block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps = _launch_shape(
+        B, S, Hq, Hk, D, q.element_size(), bshd, q.device.index or 0)
     _launch_rope(
         (B * n_blocks * n_chunks,), q, k, q_out, k_out, cos, sin,
         S, Hq, Hk, n_blocks, q_chunks, n_chunks, per_program,
         *_head_strides(q, bshd), *_head_strides(k, bshd), *_head_strides(q_out, bshd), *_head_strides(k_out, bshd),
         *_table_strides(cos), *_table_strides(sin),
-        HALF=D // 2, BLOCK_HALF=block_half, BLOCK_S=block_s, HEADS_PER_STEP=HEADS_PER_STEP, BACKWARD=backward,
-        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), num_warps=NUM_WARPS,
+        HALF=D // 2, BLOCK_HALF=block_half, BLOCK_S=block_s, HEADS_PER_STEP=per_step, BACKWARD=backward,
+        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), num_warps=num_warps,
     )
 
 
@@ -329,6 +325,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         if not inplace:
             return RopeFunction.apply(q, k, cos, sin, bshd)
+        if torch.compiler.is_compiling():
+            # AOT autograd refuses a Function that writes into a view; a compiled graph
+            # functionalizes the writes anyway, so torch's own copy_ costs nothing more there.
+            q_out, k_out = RopeFunction.apply(q, k, cos, sin, bshd)
+            return q.copy_(q_out), k.copy_(k_out)
         _check_writable("q", q)
         _check_writable("k", k)
         return RopeInplaceFunction.apply(q, cos, sin, bshd), RopeInplaceFunction.apply(k, cos, sin, bshd)

@@ -1,0 +1,92 @@
+"""Times launch shapes of the memory-bound kernels on their target sizes, one process, GB/s per
+config: python3 scripts/sweep_launch.py [norm|swiglu|rope ...] (GPU machine, PYTHONPATH=src).
+What it finds goes into the launch heuristics (docs/perf-notes.md)."""
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from tritonformer import runtime
+from tritonformer.ops import norm, rope, swiglu
+
+dev, bf16 = "cuda", torch.bfloat16
+
+
+def gbps(fn, nbytes):
+    return nbytes / do_bench(fn, warmup=10, rep=50, return_mode="median") / 1e6
+
+
+def sweep_norm():
+    for rms in (True, False):
+        for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)):
+            x = torch.randn(M, N, device=dev, dtype=bf16)
+            w = torch.randn(N, device=dev, dtype=bf16)
+            b = torch.randn(N, device=dev, dtype=bf16)
+            dy, dx, y = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
+            mean, rstd = torch.empty(M, device=dev), torch.empty(M, device=dev)
+            flags = dict(RMS=rms, HAS_W=True, HAS_B=not rms, ROUND_XHAT=rms)
+            block_n = triton.next_power_of_2(N)
+            fwd, bwd = [], []
+            for block_m in (1, 2, 4, 8):
+                for warps in (4, 8, 16, 32):
+                    elems = block_m * block_n // (32 * warps)
+                    if not (1024 <= block_m * block_n <= 32768 and 4 <= elems <= 64):
+                        continue
+                    kw = dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                    f = lambda: norm._norm_fwd_kernel.fn[(triton.cdiv(M, block_m),)](  # noqa: E731
+                        x, w, b, y, mean, rstd, M, N, N, N, 1e-6, 0.0, **kw)
+                    fwd.append((gbps(f, 2 * x.nbytes), block_m, warps))
+                    for per_sm in (1, 2, 4):
+                        programs = min(M, 132 * per_sm)
+                        part = torch.empty(programs, N, device=dev)
+                        g = lambda: norm._norm_bwd_kernel.fn[(programs,)](  # noqa: E731
+                            x, w, dy, dx, mean, rstd, part, part, M, N, N, N, N, 0.0, **kw)
+                        bwd.append((gbps(g, 3 * x.nbytes), block_m, warps, per_sm))
+            name = "rms" if rms else "ln"
+            print(f"norm {name} {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)
+            print(f"norm {name} {M}x{N} bwd best", sorted(bwd, reverse=True)[:4], flush=True)
+
+
+def sweep_swiglu():
+    for M, N in ((8192, 14336), (16384, 4096)):
+        g, u, dh = (torch.randn(M, N, device=dev, dtype=bf16) for _ in range(3))
+        h, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+        fwd, bwd = [], []
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                grid = (M, triton.cdiv(N, block))
+                f = lambda: swiglu._swiglu_fwd_kernel[grid](g, u, h, N, N, N, N, BLOCK=block, num_warps=warps)  # noqa
+                b = lambda: swiglu._swiglu_bwd_kernel[grid](g, u, dh, dg, du, du, N, N, N, N, N, N, N,  # noqa
+                                                           STORE_H=False, BLOCK=block, num_warps=warps)
+                fwd.append((gbps(f, 3 * g.nbytes), block, warps))
+                bwd.append((gbps(b, 5 * g.nbytes), block, warps))
+        print(f"swiglu {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)
+        print(f"swiglu {M}x{N} bwd best", sorted(bwd, reverse=True)[:4], flush=True)
+
+
+def sweep_rope():
+    for B, Hq, Hk, S, D, layout in ((4, 32, 8, 4096, 128, "bhsd"), (4, 32, 8, 4096, 128, "bshd")):
+        shape = lambda h: (B, h, S, D) if layout == "bhsd" else (B, S, h, D)  # noqa: E731
+        q, k = torch.randn(shape(Hq), device=dev, dtype=bf16), torch.randn(shape(Hk), device=dev, dtype=bf16)
+        cos, sin = torch.randn(1, S, D, device=dev, dtype=bf16), torch.randn(1, S, D, device=dev, dtype=bf16)
+        nbytes = 2 * (q.nbytes + k.nbytes) + cos.nbytes + sin.nbytes
+        results = []
+        for step_bytes in (4096, 8192, 16384):
+            for per_step in (1, 2, 4):
+                for per_program in (4, 8, 16, 32):
+                    for warps in (4, 8):
+                        rope.STEP_BYTES, rope.HEADS_PER_STEP, rope.HEADS_PER_PROGRAM, rope.NUM_WARPS = (
+                            step_bytes, per_step, per_program, warps)
+                        rope._launch_shape.cache_clear()
+                        try:
+                            f = lambda: rope.apply_rope(q, k, cos, sin, layout)  # noqa: E731
+                            results.append((gbps(f, nbytes), step_bytes, per_step, per_program, warps))
+                        except Exception as exc:  # a shape Triton cannot lay out
+                            print("rope config failed", step_bytes, per_step, per_program, warps, type(exc).__name__)
+        print(f"rope {layout} best", sorted(results, reverse=True)[:6], flush=True)
+        print(f"rope {layout} worst", sorted(results)[:2], flush=True)
+
+
+for name in sys.argv[1:] or ("norm", "swiglu", "rope"):
+    {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope}[name]()
