@@ -15,5 +15,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 -m tritonformer bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+  python3 -m tritonformer bench --out "$OUT/${BENCH_DIR:-bench}" "$@" 2>&1 | tee "$OUT/${BENCH_DIR:-bench}.log" | tail -60
 fi

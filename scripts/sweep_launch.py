@@ -24,7 +24,7 @@ def sweep_norm():
             w = torch.randn(N, device=dev, dtype=bf16)
             b = torch.randn(N, device=dev, dtype=bf16)
             dy, dx, y = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
-            mean, rstd = torch.empty(M, device=dev), torch.empty(M, device=dev)
+            stats = torch.empty(2 * M, device=dev)
             flags = dict(RMS=rms, HAS_W=True, HAS_B=not rms, ROUND_XHAT=rms)
             block_n = triton.next_power_of_2(N)
             fwd, bwd = [], []
@@ -34,14 +34,15 @@ def sweep_norm():
                     if not (1024 <= block_m * block_n <= 32768 and 4 <= elems <= 64):
                         continue
                     kw = dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-                    f = lambda: norm._norm_fwd_kernel.fn[(triton.cdiv(M, block_m),)](  # noqa: E731
-                        x, w, b, y, mean, rstd, M, N, N, N, 1e-6, 0.0, **kw)
+                    bwd_kw = dict(kw, RELOAD_W=not rms and block_n >= norm.RELOAD_W_FROM_N)
+                    f = lambda: norm._norm_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
+                        x, w, b, y, stats, M, N, N, N, 1e-6, 0.0, **kw)
                     fwd.append((gbps(f, 2 * x.nbytes), block_m, warps))
                     for per_sm in (1, 2, 4):
                         programs = min(M, 132 * per_sm)
                         part = torch.empty(programs, N, device=dev)
-                        g = lambda: norm._norm_bwd_kernel.fn[(programs,)](  # noqa: E731
-                            x, w, dy, dx, mean, rstd, part, part, M, N, N, N, N, 0.0, **kw)
+                        g = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
+                            x, w, dy, dx, stats, part, part, M, N, N, N, N, 0.0, **bwd_kw)
                         bwd.append((gbps(g, 3 * x.nbytes), block_m, warps, per_sm))
             name = "rms" if rms else "ln"
             print(f"norm {name} {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)

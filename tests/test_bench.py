@@ -146,3 +146,23 @@ def test_fp8_case_is_checked_at_its_output_dtype(monkeypatch):
 ])
 def test_device_slug(name, slug):
     assert runner.device_slug(name) == slug
+
+
+def test_report_merges_runs_taken_in_parts(monkeypatch, tmp_path):
+    one = _fake_spec("one", {"tritonformer": lambda x: x + 1, "torch": lambda x: x + 1})
+    two = _fake_spec("two", {"tritonformer": lambda x: x + 1, "torch": lambda x: x + 1})
+    monkeypatch.setattr(registry, "OPS", {"one": one, "two": two})
+    assert main(["bench", "one", "--out", str(tmp_path / "a")]) == 0
+    assert main(["bench", "two", "--out", str(tmp_path / "b")]) == 0
+    assert main(["bench", "one", "--out", str(tmp_path / "c")]) == 0  # a rerun replaces its cases
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    columns, rows = _read_csv(tmp_path / "merged" / "results.csv")
+    assert columns == runner.COLUMNS
+    assert sorted((r["op"], r["provider"]) for r in rows) == [
+        ("one", "torch"), ("one", "tritonformer"), ("two", "torch"), ("two", "tritonformer")]
+    _, rerun = _read_csv(tmp_path / "c" / "results.csv")
+    assert {r["ms"] for r in rows if r["op"] == "one"} == {r["ms"] for r in rerun}
+    report = (tmp_path / "merged" / "report.md").read_text()
+    assert "## one" in report and "## two" in report
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2

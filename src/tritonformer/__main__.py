@@ -38,10 +38,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output directory (default: bench-out/<device>/)")
     bench.set_defaults(handler=_bench)
 
+    merge = commands.add_parser("report", help="merge the output directories of several bench runs into one report")
+    merge.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="bench --out directories, in order")
+    merge.add_argument("--out", type=Path, required=True, help="output directory")
+    merge.set_defaults(handler=_report)
+
     info = commands.add_parser("info", help="device, versions and measured ceilings")
     info.add_argument("--no-ceilings", action="store_true", help="skip measuring copy and matmul ceilings")
     info.set_defaults(handler=_info)
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .bench import report
+
+    missing = [str(run) for run in args.runs if not (run / "results.csv").exists()]
+    if missing:
+        print(f"tritonformer report: no results.csv in {', '.join(missing)}", file=sys.stderr)
+        return EXIT_USAGE
+    path = report.merge_runs(args.runs, args.out)
+    print(f"wrote {path}")
+    return EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ matplotlib is imported inside the plotting function: it belongs to the `bench` e
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,11 @@ LOG_Y_SPREAD = 100
 
 
 def write_report(rows: list[dict], ceilings: dict[str, Any], out_dir: Path) -> Path:
-    """results.csv, <op>.png for each op and report.md in `out_dir`; returns report.md's path."""
+    """results.csv, ceilings.json, <op>.png for each op and report.md in `out_dir`; returns
+    report.md's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "results.csv")
+    (out_dir / "ceilings.json").write_text(json.dumps(ceilings, indent=1, default=str))
     images = {}
     for op, op_rows in rows_by_op(rows).items():
         image = out_dir / f"{_file_stem(op)}.png"
@@ -37,6 +40,46 @@ def write_report(rows: list[dict], ceilings: dict[str, Any], out_dir: Path) -> P
     report = out_dir / "report.md"
     report.write_text(markdown_report(rows, ceilings, images))
     return report
+
+
+# Columns read back as numbers; the others stay text (empty cells become None).
+_NUMERIC = {"x", "ms", "gbps", "tflops", "bytes", "flops", "peak_gib", "extra_gib", "speedup_vs_best_peer",
+            "ours_speedup_vs_this", "frac_ceiling"}
+
+
+def read_run(run_dir: Path) -> tuple[list[dict], dict[str, Any]]:
+    """The rows and ceilings a `write_report` left in `run_dir`."""
+    with (run_dir / "results.csv").open(newline="") as f:
+        rows = [{k: _parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+    ceilings_path = run_dir / "ceilings.json"
+    return rows, json.loads(ceilings_path.read_text()) if ceilings_path.exists() else {}
+
+
+def _parse(column: str, value: str) -> Any:
+    if value == "":
+        return None
+    if column in _NUMERIC:
+        number = float(value)
+        return int(number) if column in ("x", "bytes", "flops") else number
+    return value
+
+
+def merge_runs(run_dirs: list[Path], out_dir: Path) -> Path:
+    """One report from runs of the grid taken in parts (one device call each): the rows of every
+    run, later runs replacing earlier ones' cases; the first run's ceilings."""
+    rows_by_key: dict[tuple, dict] = {}
+    ceilings: dict[str, Any] = {}
+    for run_dir in run_dirs:
+        rows, run_ceilings = read_run(run_dir)
+        ceilings = ceilings or run_ceilings
+        replaced = {_case_key(r) for r in rows}
+        rows_by_key = {k: r for k, r in rows_by_key.items() if _case_key(r) not in replaced}
+        rows_by_key.update({(*_case_key(r), r["provider"]): r for r in rows})
+    return write_report(list(rows_by_key.values()), ceilings, out_dir)
+
+
+def _case_key(row: dict) -> tuple:
+    return row["op"], row["mode"], row["dtype"], row["shape"], row["plot"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:

@@ -54,7 +54,7 @@ def _bwd_programs(M: int, block_n: int) -> int:
 
 @triton.jit
 def _norm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_xm, stride_ym, eps, offset,
+    x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_ym, eps, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -74,8 +74,8 @@ def _norm_fwd_kernel(
         xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
         xhat = xc * rstd[:, None]
-        tl.store(mean_ptr + rows, mean, mask=row_ok)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        tl.store(stats_ptr + M + rows, mean, mask=row_ok)
+    tl.store(stats_ptr + rows, rstd, mask=row_ok)
     y = _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_ptr.dtype.element_ty, HAS_W, HAS_B, ROUND_XHAT)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -98,7 +98,7 @@ def _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_dtype: tl.constexpr,
 
 @triton.jit
 def _norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    x_ptr, w_ptr, dy_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_xm, stride_dym, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD_W: tl.constexpr,
@@ -118,11 +118,11 @@ def _norm_bwd_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
         if RMS:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            mean = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_W:
             if RELOAD_W:
@@ -147,7 +147,7 @@ def _norm_bwd_kernel(
 
 @triton.jit
 def _norm_fwd_looped_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_xm, stride_ym, eps, offset,
+    x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_ym, eps, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -161,7 +161,7 @@ def _norm_fwd_looped_kernel(
         for start in range(0, N, CHUNK):
             acc += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
         mean = tl.sum(acc, axis=0) / N
-        tl.store(mean_ptr + row, mean)
+        tl.store(stats_ptr + M + row, mean)
     # Squares of deviations from the mean, not E[x^2] - mean^2, which cancels catastrophically.
     acc = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, N, CHUNK):
@@ -170,7 +170,7 @@ def _norm_fwd_looped_kernel(
         xc = tl.where(offs < N, x - mean, 0.0)
         acc += xc * xc
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(rstd_ptr + row, rstd)
+    tl.store(stats_ptr + row, rstd)
     for start in range(0, N, CHUNK):
         offs = start + cols
         x = tl.load(x_row + offs, mask=offs < N, other=0.0).to(tl.float32)
@@ -181,7 +181,7 @@ def _norm_fwd_looped_kernel(
 
 @triton.jit
 def _norm_bwd_looped_kernel(
-    x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    x_ptr, w_ptr, dy_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_xm, stride_dym, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -195,10 +195,10 @@ def _norm_bwd_looped_kernel(
         row64 = tl.cast(row, tl.int64)
         x_row = x_ptr + row64 * stride_xm
         dy_row = dy_ptr + row64 * stride_dym
-        rstd = tl.load(rstd_ptr + row)
+        rstd = tl.load(stats_ptr + row)
         mean = 0.0
         if not RMS:
-            mean = tl.load(mean_ptr + row)
+            mean = tl.load(stats_ptr + M + row)
         sum_g = tl.zeros((CHUNK,), tl.float32)
         sum_gx = tl.zeros((CHUNK,), tl.float32)
         for start in range(0, N, CHUNK):
@@ -254,17 +254,16 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     M = x_rows.shape[0]
     y = runtime.empty(x.shape, out_dtype, x.device)
     stats = runtime.empty((M if rms else 2 * M,), torch.float32, x.device)
-    rstd, mean = stats[:M], stats[M:]
     if x.numel() == 0:
         return y, stats
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _launch_shape(N)
-        _launch_fwd((triton.cdiv(M, block_m),), x_rows, w, b, y, mean, rstd, M, N, x_rows.stride(0), N,
+        _launch_fwd((triton.cdiv(M, block_m),), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N,
                     float(eps), float(offset), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
-        _launch_fwd_looped((M,), x_rows, w, b, y, mean, rstd, N, x_rows.stride(0), N, float(eps), float(offset),
+        _launch_fwd_looped((M,), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N, float(eps), float(offset),
                            **flags, CHUNK=LOOP_CHUNK, num_warps=8)
     return y, stats
 
@@ -275,7 +274,6 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
     M = x_rows.shape[0]
-    rstd, mean = stats[:M], stats[M:]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > FUSED_MAX_N
     block_m, block_n, num_warps = _launch_shape(N)
@@ -287,7 +285,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     db_part = parts[n_params - 1] if bias is not None else parts
     if M > 0 and N > 0:
         flags = _flags(rms, weight, bias, offset)
-        args = (x_rows, _or(weight, x_rows), dy_rows, dx, mean, rstd, dw_part, db_part, M, N,
+        args = (x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
                 x_rows.stride(0), dy_rows.stride(0), N, float(offset))
         if looped:
             _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=8)
