@@ -8,7 +8,7 @@ import triton
 from triton.testing import do_bench
 
 from tritonformer import runtime
-from tritonformer.ops import norm, rope, swiglu
+from tritonformer.ops import norm, rope, softmax, swiglu
 
 dev, bf16 = "cuda", torch.bfloat16
 
@@ -73,12 +73,13 @@ def sweep_rope():
         cos, sin = torch.randn(1, S, D, device=dev, dtype=bf16), torch.randn(1, S, D, device=dev, dtype=bf16)
         nbytes = 2 * (q.nbytes + k.nbytes) + cos.nbytes + sin.nbytes
         results = []
-        for step_bytes in (4096, 8192, 16384):
+        for step_bytes in (4096, 8192, 16384, 32768):
             for per_step in (1, 2, 4):
-                for per_program in (4, 8, 16, 32):
+                for per_program in (1, 2, 4, 8, 16):
                     for warps in (4, 8):
-                        rope.STEP_BYTES, rope.HEADS_PER_STEP, rope.HEADS_PER_PROGRAM, rope.NUM_WARPS = (
-                            step_bytes, per_step, per_program, warps)
+                        if per_program < per_step:
+                            continue
+                        rope.LAUNCH = {layout == "bshd": (step_bytes, per_step, per_program, warps)}
                         rope._launch_shape.cache_clear()
                         try:
                             f = lambda: rope.apply_rope(q, k, cos, sin, layout)  # noqa: E731
@@ -89,5 +90,22 @@ def sweep_rope():
         print(f"rope {layout} worst", sorted(results)[:2], flush=True)
 
 
-for name in sys.argv[1:] or ("norm", "swiglu", "rope"):
-    {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope}[name]()
+def sweep_softmax():
+    for dtype in (bf16, torch.float32):
+        for M, N in ((4096, 4096), (4096, 1024), (4096, 16384)):
+            x = torch.randn(M, N, device=dev, dtype=dtype)
+            y = torch.empty_like(x)
+            results = []
+            for block_m in (1, 2, 4, 8):
+                for warps in (2, 4, 8, 16):
+                    if block_m * N > 32768 or block_m * N // (32 * warps) < 4:
+                        continue
+                    f = lambda: softmax._softmax_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
+                        x, y, M, N, N, 1, N, BLOCK_M=block_m, BLOCK_N=N, num_warps=warps)
+                    results.append((gbps(f, 2 * x.nbytes), block_m, warps))
+            print(f"softmax {dtype} {M}x{N} fwd best", sorted(results, reverse=True)[:4],
+                  "current", softmax._launch_shape(N), flush=True)
+
+
+for name in sys.argv[1:] or ("norm", "swiglu", "rope", "softmax"):
+    {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax}[name]()

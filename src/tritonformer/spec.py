@@ -25,6 +25,8 @@ class TestCase:
     gpu_only: bool = False
     tolerance: object = None  # key into testing's tables when not `dtype` (e.g. "fp8")
     compare: str | None = None  # the op's `compare` unless set
+    # Gradients may be off by this many times PyTorch's own error in the same dtype.
+    grad_floor: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -798,7 +798,10 @@ def _flce_test_cases() -> list[TestCase]:
             if bias:
                 kwargs["bias"] = (torch.randn(V, device=device) * 0.1).to(dtype).requires_grad_(True)
             return tuple(args), dict(kwargs)
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
+        # The gradients are computed in the forward, before the upstream gradient is known, and
+        # scaled by it in the backward: one rounding more than the unfused path (2.05 times
+        # torch's float16 error on the 1024x512x32000 case on the H100).
+        return TestCase(id, make, dtype, gpu_only=gpu_only, grad_floor=3.0)
 
     cases = []
     for dt in runtime.FLOAT_DTYPES:
