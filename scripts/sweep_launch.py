@@ -34,7 +34,6 @@ def sweep_norm():
                     if not (1024 <= block_m * block_n <= 32768 and 4 <= elems <= 64):
                         continue
                     kw = dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-                    bwd_kw = dict(kw, RELOAD_W=not rms and block_n >= norm.RELOAD_W_FROM_N)
                     f = lambda: norm._norm_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
                         x, w, b, y, stats, M, N, N, N, 1e-6, 0.0, **kw)
                     fwd.append((gbps(f, 2 * x.nbytes), block_m, warps))
@@ -42,7 +41,7 @@ def sweep_norm():
                         programs = min(M, 132 * per_sm)
                         part = torch.empty(programs, N, device=dev)
                         g = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
-                            x, w, dy, dx, stats, part, part, M, N, N, N, N, 0.0, **bwd_kw)
+                            x, w, dy, dx, stats, part, part, M, N, N, N, N, 0.0, **kw)
                         bwd.append((gbps(g, 3 * x.nbytes), block_m, warps, per_sm))
             name = "rms" if rms else "ln"
             print(f"norm {name} {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)
@@ -90,6 +89,28 @@ def sweep_rope():
         print(f"rope {layout} worst", sorted(results)[:2], flush=True)
 
 
+def sweep_layer_norm_wide():
+    """LayerNorm backward at 16384 columns: registers (by warps) against the looped kernel."""
+    M, N = 4096, 16384
+    x, dy = torch.randn(M, N, device=dev, dtype=bf16), torch.randn(M, N, device=dev, dtype=bf16)
+    w, b = torch.randn(N, device=dev, dtype=bf16), torch.randn(N, device=dev, dtype=bf16)
+    dx, stats = torch.empty_like(x), torch.rand(2 * M, device=dev)
+    flags = dict(RMS=False, HAS_W=True, HAS_B=True, ROUND_XHAT=False)
+    results = []
+    for warps in (8, 16, 32):
+        for per_sm in (1, 2):
+            programs = 132 * per_sm
+            part = torch.empty(2, programs, N, device=dev)
+            f = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
+                x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, BLOCK_M=1, BLOCK_N=N,
+                num_warps=warps)
+            results.append((gbps(f, 3 * x.nbytes), "registers", warps, per_sm))
+            g = lambda: norm._norm_bwd_looped_kernel[(programs,)](  # noqa: E731
+                x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, CHUNK=4096, num_warps=warps)
+            results.append((gbps(g, 3 * x.nbytes), "looped", warps, per_sm))
+    print("layer_norm bwd 4096x16384", sorted(results, reverse=True), flush=True)
+
+
 def sweep_softmax():
     for dtype in (bf16, torch.float32):
         for M, N in ((4096, 4096), (4096, 1024), (4096, 16384)):
@@ -107,5 +128,7 @@ def sweep_softmax():
                   "current", softmax._launch_shape(N), flush=True)
 
 
-for name in sys.argv[1:] or ("norm", "swiglu", "rope", "softmax"):
-    {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax}[name]()
+SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax,
+          "layer_norm_wide": sweep_layer_norm_wide}
+for name in sys.argv[1:] or SWEEPS:
+    SWEEPS[name]()

@@ -117,8 +117,8 @@ def test_compiles_without_graph_breaks(device, fn):
         assert_close(g, e.double(), torch.float32, "norm")
 
 
-def test_layer_norm_backward_reloading_the_weight(device, monkeypatch):
-    monkeypatch.setattr(norm, "RELOAD_W_FROM_N", 64)
+def test_layer_norm_backward_of_wide_rows_takes_the_looped_kernel(device, monkeypatch):
+    monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
     x = torch.randn(9, 100, device=device, requires_grad=True)
     w = torch.randn(100, device=device, requires_grad=True)
     b = torch.randn(100, device=device, requires_grad=True)
