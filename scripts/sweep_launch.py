@@ -109,6 +109,12 @@ def sweep_layer_norm_wide():
                 x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, CHUNK=4096, num_warps=warps)
             results.append((gbps(g, 3 * x.nbytes), "looped", warps, per_sm))
     print("layer_norm bwd 4096x16384", sorted(results, reverse=True), flush=True)
+    y, fwd = torch.empty_like(x), []
+    for warps in (8, 16, 32):
+        f = lambda: norm._norm_fwd_kernel[(M,)](  # noqa: E731
+            x, w, b, y, stats, M, N, N, N, 1e-5, 0.0, **flags, BLOCK_M=1, BLOCK_N=N, num_warps=warps)
+        fwd.append((gbps(f, 2 * x.nbytes), warps))
+    print("layer_norm fwd 4096x16384", sorted(fwd, reverse=True), flush=True)
 
 
 def sweep_softmax():

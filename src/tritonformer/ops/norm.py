@@ -42,15 +42,23 @@ MAX_WARPS = 16
 LAYER_NORM_BWD_MAX_N = 8192
 
 
-def _launch_shape(n: int) -> tuple[int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps for rows of n elements held in registers."""
+def _launch_shape(n: int, rms: bool = True) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps for rows of n elements held in registers. LayerNorm's forward
+    holds x, its deviations and the output: from 16384 columns it takes 32 warps (1.93 TB/s at
+    16 warps on the H100, against 2.8 for RMSNorm)."""
     block_n = triton.next_power_of_2(n)
     block_m = max(1, ROWS_ELEMENTS // block_n)
-    return block_m, block_n, min(MAX_WARPS, max(4, block_m * block_n // 512))
+    max_warps = MAX_WARPS if rms or block_n < 16384 else 32
+    return block_m, block_n, min(max_warps, max(4, block_m * block_n // 512))
 
 
 def _bwd_programs(M: int, block_n: int) -> int:
     return max(1, min(M, runtime.num_sms() * (2 if block_n <= 4096 else 1)))
+
+
+# The looped backward: 32 warps, one program an SM (1.24 TB/s at LayerNorm 4096x16384 on the H100,
+# against 0.72 at 8 warps and two an SM).
+LOOPED_BWD_WARPS = 32
 
 
 @triton.jit
@@ -258,7 +266,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
-        block_m, block_n, num_warps = _launch_shape(N)
+        block_m, block_n, num_warps = _launch_shape(N, rms)
         _launch_fwd((triton.cdiv(M, block_m),), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N,
                     float(eps), float(offset), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
@@ -276,7 +284,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
     block_m, block_n, num_warps = _launch_shape(N)
-    programs = _bwd_programs(M, 1 if looped else block_n)
+    programs = _bwd_programs(M, FUSED_MAX_N if looped else block_n)
     # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
     n_params = (weight is not None) + (bias is not None)
     parts = (torch.zeros if looped else runtime.empty)((n_params, programs, N), dtype=torch.float32, device=x.device)
@@ -287,7 +295,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
         args = (x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
                 x_rows.stride(0), dy_rows.stride(0), N, float(offset))
         if looped:
-            _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=8)
+            _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=LOOPED_BWD_WARPS)
         else:
             _launch_bwd((programs,), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
