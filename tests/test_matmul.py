@@ -175,3 +175,12 @@ def test_replay_in_another_thread_sets_the_descriptor_allocator(device, monkeypa
     worker.join()
     assert calls == [worker.ident]
     assert_close(results[0], a.double() @ b.double(), torch.float32, "norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_erf_gelu_epilogue_elementwise_over_its_range(device, dtype):
+    # Every element, tails included, within the output dtype's rounding of the exact GELU.
+    x = torch.linspace(-9, 9, 64 * 64, device=device).reshape(64, 64).to(dtype)
+    eye = torch.eye(64, device=device, dtype=dtype)
+    out = tf.matmul(x, eye, activation="gelu")
+    assert_close(out, torch.nn.functional.gelu(x.double()), dtype)
