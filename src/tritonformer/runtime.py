@@ -47,8 +47,9 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int = 0) -> int:
-    """Streaming multiprocessors; under the interpreter a small number, so that persistent
-    kernels still loop over several tiles per program in tests."""
+    """Streaming multiprocessors of a CUDA device (callers pass their tensors' device, so mixed GPU
+    models in one process get their own grids); under the interpreter a small number, so that
+    persistent kernels still loop over several tiles per program in tests."""
     if INTERPRET:
         return 3
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -250,9 +250,9 @@ def _programs_per_sm(meta: dict, element_size: int) -> int:
     return max(1, (227 * 1024) // (stage_bytes * 3))
 
 
-def _split_k(M: int, N: int, K: int, batch: int) -> int:
+def _split_k(M: int, N: int, K: int, batch: int, device: torch.device) -> int:
     tiles = batch * math.ceil(M / 64) * math.ceil(N / 128)
-    sms = runtime.num_sms()
+    sms = runtime.num_sms(device.index or 0)
     if batch > 1 or tiles * 2 > sms:
         return 1
     split = min(SPLIT_K_MAX, sms // tiles, K // SPLIT_K_MIN_K_PER_SPLIT)
@@ -292,7 +292,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     a_in, b_in = a, b
     a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
     b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
-    split_k = _split_k(M, N, K, batch)
+    split_k = _split_k(M, N, K, batch, a.device)
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
     runtime.ensure_tma_allocator()
     scale_a_mode, scale_b_mode = _scale_mode(scale_a), _scale_mode(scale_b)
@@ -300,7 +300,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
 
     def grid(meta):
         tiles = batch * split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, runtime.num_sms() * _programs_per_sm(meta, element_size)),)
+        return (min(tiles, runtime.num_sms(a.device.index or 0) * _programs_per_sm(meta, element_size)),)
 
     def epilogue_tensors(c, pre, bias, scale_a, scale_b):
         # Absent tensors are passed as c: the kernel never reads them (their flags are off).
