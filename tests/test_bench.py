@@ -15,9 +15,11 @@ from tritonformer.ops import add
 from tritonformer.spec import Bench, BenchCase, OpSpec
 
 
-def _fake_spec(name: str, providers: dict, cases: int = 1, dtype: torch.dtype = torch.float32) -> OpSpec:
+def _fake_spec(name: str, providers: dict, cases: int = 1, dtype: torch.dtype = torch.float32,
+               tolerance=None) -> OpSpec:
     """An op whose bench cases add 1 to a small float32 tensor; `providers` maps names to
-    functions of that tensor, and the reference is x + 1 in float64. `dtype` labels the cases."""
+    functions of that tensor, and the reference is x + 1 in float64. `dtype` labels the cases;
+    `tolerance` is their tolerance key."""
 
     def setup() -> Bench:
         x = torch.arange(64, dtype=torch.float32, device=runtime.DEVICE)
@@ -27,7 +29,8 @@ def _fake_spec(name: str, providers: dict, cases: int = 1, dtype: torch.dtype = 
         )
 
     bench_cases = [
-        BenchCase(name, "fwd", dtype, f"n=64 #{i}", 64 * (i + 1), setup, bytes=2 * 4 * 64, quick=True)
+        BenchCase(name, "fwd", dtype, f"n=64 #{i}", 64 * (i + 1), setup, bytes=2 * 4 * 64, quick=True,
+                  tolerance=tolerance)
         for i in range(cases)
     ]
     return OpSpec(name, fn=lambda x: x + 1, reference=lambda x: x + 1, test_cases=lambda: [],
@@ -131,12 +134,15 @@ def test_setup_out_of_memory_is_recorded_and_the_run_goes_on(monkeypatch):
     assert rows[1]["check"] == "ok"
 
 
-def test_fp8_case_is_checked_at_its_output_dtype(monkeypatch):
-    # fp8 cases name their operands' dtype; the bf16 output is held to bf16's tolerance.
-    spec = _fake_spec("fp8", {"tritonformer": lambda x: (x + 1).bfloat16()}, dtype=torch.float8_e4m3fn)
-    monkeypatch.setattr(registry, "OPS", {"fp8": spec})
-    (row,) = runner.run(["fp8"], quick=True, progress=False)
-    assert row["check"] == "ok" and row["dtype"] == "fp8e4m3"
+def test_a_case_is_checked_at_its_tolerance_not_its_label(monkeypatch):
+    # fp8 cases name their operands' dtype; their bf16 output is held to bf16's tolerance.
+    spec = _fake_spec("fp8", {"tritonformer": lambda x: ((x + 1) * 1.004).bfloat16()}, dtype=torch.float8_e4m3fn,
+                      tolerance=torch.bfloat16)
+    strict = _fake_spec("strict", {"tritonformer": lambda x: ((x + 1) * 1.004).bfloat16()}, tolerance=torch.float32)
+    monkeypatch.setattr(registry, "OPS", {"fp8": spec, "strict": strict})
+    ok, failed = runner.run(["fp8", "strict"], quick=True, progress=False)
+    assert ok["check"] == "ok" and ok["dtype"] == "fp8e4m3"
+    assert runner.ours_failed(failed) and "float32" in failed["check"]
 
 
 @pytest.mark.parametrize("name, slug", [

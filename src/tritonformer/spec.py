@@ -52,6 +52,8 @@ class BenchCase:
     plot: str = ""  # plots group cases with the same `plot` name into one panel
     quick: bool = False  # part of the quick grid (CPU runs and smoke tests)
     compare: str | None = None  # the op's `compare` unless set (e.g. "norm" for reduced gradients)
+    # Key into testing's tables when not `dtype`: an fp8 case's outputs are bf16 or fp32.
+    tolerance: object = None
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ def run_case(case: BenchCase, compare: str, ceilings: dict[str, Any]) -> list[di
     if bench is None:
         free_device_memory()
         return [_row(case, OURS, error=f"setup failed: {setup_error}")]
-    timings, errors, check, memory = _time_providers(bench, case.dtype, compare)
+    timings, errors, check, memory = _time_providers(bench, case.tolerance or case.dtype, compare)
     # The providers' closures hold the case's inputs: they go with `bench`.
     del bench
     free_device_memory()
@@ -243,7 +243,7 @@ def _set_up(case: BenchCase) -> tuple[Bench | None, str | None]:
         return None, describe_error(exc)
 
 
-def _time_providers(bench: Bench, dtype: torch.dtype, compare: str) -> tuple[dict[str, float], dict[str, str], str | None, dict[str, tuple]]:
+def _time_providers(bench: Bench, tolerance: object, compare: str) -> tuple[dict[str, float], dict[str, str], str | None, dict[str, tuple]]:
     """Median ms per provider that ran, the error of each that raised, our check, and each
     provider's memory (peak, extra) in GiB."""
     timings: dict[str, float] = {}
@@ -256,7 +256,7 @@ def _time_providers(bench: Bench, dtype: torch.dtype, compare: str) -> tuple[dic
             result = thunk()  # also compiles and autotunes before timing starts
             first_call_ms = (time.perf_counter() - start) * 1e3
             if provider == OURS:
-                check = _check(result, bench.reference, dtype, compare)
+                check = _check(result, bench.reference, tolerance, compare)
             del result
             timings[provider] = _time_ms(thunk, first_call_ms)
             memory[provider] = _memory_gib(thunk)
@@ -298,21 +298,21 @@ def _time_ms(thunk: Callable[[], Any], first_call_ms: float) -> float:
     return statistics.median(samples)
 
 
-def _check(result: Any, reference: Callable[[], Any] | None, dtype: torch.dtype, compare: str) -> str:
+def _check(result: Any, reference: Callable[[], Any] | None, tolerance: object, compare: str) -> str:
     if reference is None:
         return NO_REFERENCE
     try:
-        mismatch = _mismatch(result, reference(), dtype, compare)
+        mismatch = _mismatch(result, reference(), tolerance, compare)
     except Exception as exc:  # a check that cannot run is a failed check, not a crash
         return f"check raised {describe_error(exc)}"
     return CHECK_OK if mismatch is None else mismatch
 
 
-def _mismatch(actual: Any, expected: Any, dtype: torch.dtype, compare: str) -> str | None:
+def _mismatch(actual: Any, expected: Any, tolerance: object, compare: str) -> str | None:
     if not isinstance(expected, (tuple, list)):
         if isinstance(actual, (tuple, list)):
             return f"returned {len(actual)} outputs, the reference one tensor"
-        return check_close(actual, expected, _tolerance_dtype(dtype, actual), compare)
+        return check_close(actual, expected, tolerance, compare)
     if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
         count = len(actual) if isinstance(actual, (tuple, list)) else 1
         return f"returned {count} output(s), the reference {len(expected)}"
@@ -321,18 +321,10 @@ def _mismatch(actual: Any, expected: Any, dtype: torch.dtype, compare: str) -> s
             continue
         if a is None or e is None:
             return f"output {index}: {'missing' if a is None else 'unexpected'} (reference: {type(e).__name__})"
-        mismatch = check_close(a, e, _tolerance_dtype(dtype, a), compare)
+        mismatch = check_close(a, e, tolerance, compare)
         if mismatch is not None:
             return f"output {index}: {mismatch}"
     return None
-
-
-def _tolerance_dtype(case_dtype: torch.dtype, actual: Any) -> torch.dtype:
-    # An fp8 case names its operands' dtype; its outputs are wider (bf16, fp32) and rounded once
-    # to that dtype, so that is the precision they are held to.
-    if case_dtype in FP8_DTYPES and isinstance(actual, torch.Tensor):
-        return actual.dtype
-    return case_dtype
 
 
 def _row(case: BenchCase, provider: str, **fields: Any) -> dict:
