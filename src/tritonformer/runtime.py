@@ -36,7 +36,16 @@ if INTERPRET:
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     """`torch.empty`, poisoned when POISON is set."""
-    out = torch.empty(shape, dtype=dtype, device=device)
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """`torch.empty_like` (laid out like a dense `t`: a transposed view keeps its memory order),
+    poisoned when POISON is set."""
+    return _poisoned(torch.empty_like(t))
+
+
+def _poisoned(out: torch.Tensor) -> torch.Tensor:
     if POISON:
         if out.dtype.is_floating_point:
             out.fill_(float("nan"))

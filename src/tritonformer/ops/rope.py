@@ -184,15 +184,6 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
     )
 
 
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    """An output laid out like `t` when `t` is dense (a transposed view keeps its memory order),
-    poisoned when runtime.POISON is set."""
-    out = torch.empty_like(t)
-    if runtime.POISON:
-        out.fill_(float("nan"))
-    return out
-
-
 def _fake_rope_fwd(q, k, cos, sin, bshd):
     return torch.empty_like(q), torch.empty_like(k)
 
@@ -200,7 +191,7 @@ def _fake_rope_fwd(q, k, cos, sin, bshd):
 @runtime.custom_op("rope_fwd", fake=_fake_rope_fwd)
 def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              bshd: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = _empty_like(q), _empty_like(k)
+    q_out, k_out = runtime.empty_like(q), runtime.empty_like(k)
     _launch(q, k, q_out, k_out, cos, sin, bshd, backward=False)
     return q_out, k_out
 
@@ -226,7 +217,7 @@ def _fake_rope_bwd(dq, dk, cos, sin, bshd):
 def rope_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
              bshd: bool) -> list[torch.Tensor]:
     """[dq_in, dk_in], or [dq_in] when dk is None."""
-    dq_in, dk_in = _empty_like(dq), None if dk is None else _empty_like(dk)
+    dq_in, dk_in = runtime.empty_like(dq), None if dk is None else runtime.empty_like(dk)
     _launch(dq, dk, dq_in, dk_in, cos, sin, bshd, backward=True)
     return [dq_in] if dk is None else [dq_in, dk_in]
 
