@@ -144,15 +144,20 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _mlp_forward(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+    """(down(swiglu(g, u)), g, u) with g = gate(x), u = up(x)."""
+    g = torch.nn.functional.linear(x, w_gate, b_gate)
+    u = torch.nn.functional.linear(x, w_up, b_up)
+    return torch.nn.functional.linear(swiglu_fwd(g, u), w_down, b_down), g, u
+
+
 class SwiGLUMLPFunction(torch.autograd.Function):
     """down(swiglu(gate(x), up(x))), saving x, gate(x) and up(x) for backward; the activation h
     is recomputed there by the backward kernel instead of being stored."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        g = torch.nn.functional.linear(x, w_gate, b_gate)
-        u = torch.nn.functional.linear(x, w_up, b_up)
-        y = torch.nn.functional.linear(swiglu_fwd(g, u), w_down, b_down)
+        y, g, u = _mlp_forward(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
         ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
         ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
         return y
@@ -188,9 +193,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return SwiGLUMLPFunction.apply(*tensors)
-    g = torch.nn.functional.linear(x, w_gate, b_gate)
-    u = torch.nn.functional.linear(x, w_up, b_up)
-    return torch.nn.functional.linear(swiglu_fwd(g, u), w_down, b_down)
+    return _mlp_forward(*tensors)[0]
 
 
 def swiglu_mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
