@@ -52,8 +52,9 @@ def _launch_shape(n: int, rms: bool = True) -> tuple[int, int, int]:
     return block_m, block_n, min(max_warps, max(4, block_m * block_n // 512))
 
 
-def _bwd_programs(M: int, block_n: int, device: torch.device) -> int:
-    return max(1, min(M, runtime.num_sms(device.index or 0) * (2 if block_n <= 4096 else 1)))
+def _bwd_programs(M: int, wide_rows: bool, device: torch.device) -> int:
+    """Two programs an SM for rows up to 4096 columns, one for wider rows and the looped kernel."""
+    return max(1, min(M, runtime.num_sms(device.index or 0) * (1 if wide_rows else 2)))
 
 
 # The looped backward: 32 warps, one program an SM (1.24 TB/s at LayerNorm 4096x16384 on the H100,
@@ -284,7 +285,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
     block_m, block_n, num_warps = _launch_shape(N)
-    programs = _bwd_programs(M, FUSED_MAX_N if looped else block_n, x.device)
+    programs = _bwd_programs(M, looped or block_n > 4096, x.device)
     # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
     n_params = (weight is not None) + (bias is not None)
     parts = (torch.zeros if looped else runtime.empty)((n_params, programs, N), dtype=torch.float32, device=x.device)
