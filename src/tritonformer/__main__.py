@@ -1,4 +1,4 @@
-"""Command line: `python -m tritonformer bench [OP ...] [--quick] [--out DIR]` and `info`."""
+"""Command line: `python -m tritonformer bench [OP ...] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
 
 from __future__ import annotations
 
