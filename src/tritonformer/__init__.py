@@ -2,6 +2,7 @@
 
 from . import runtime
 from .ops.add import add
+from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
@@ -10,4 +11,4 @@ from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "softmax", "swiglu", "swiglu_mlp", "runtime", "__version__"]
+__all__ = ["add", "attention", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "softmax", "swiglu", "swiglu_mlp", "runtime", "__version__"]

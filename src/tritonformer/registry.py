@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .ops import add, cross_entropy, matmul, norm, rope, softmax, swiglu
+from .ops import add, attention, cross_entropy, matmul, norm, rope, softmax, swiglu
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     add.SPEC,
+    attention.SPEC,
     softmax.SPEC,
     matmul.SPEC,
     norm.RMS_NORM_SPEC,

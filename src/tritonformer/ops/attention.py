@@ -1,0 +1,661 @@
+"""Scaled dot-product attention (flash-attention 2 style), forward and backward.
+
+    S = scale * Q K^T,  P = softmax(S) over keys (masked),  O = P V,  lse = logsumexp(S) per query row
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  delta = rowsum(dO * O) - dlse
+    dQ = scale * dS K,  dK = scale * dS^T Q
+
+Layout (B, H, S, D); k and v have H_kv heads with H % H_kv == 0 (grouped-query / multi-query
+attention): query head h reads kv head h // (H // H_kv), and k, v are never repeated in memory.
+
+Masks, with shift = S_k - S_q (causal masks are aligned bottom-right, as in flash-attn):
+    causal:       key j is allowed for query i iff j <= i + shift
+    window=left:  key j is allowed for query i iff j >= i + shift - left
+A query row with no allowed key (S_q > S_k causal, or a window and causal band that leaves it
+empty) outputs 0 and has lse = -inf; the reference does the same, and such rows get no gradient.
+
+Forward: one program per (query block, batch * head) keeps its Q block on chip and streams the
+key blocks inside the causal/window band (blocks outside are never read), with an online
+softmax in base 2 (log2(e) folded into the scale) and fp32 accumulators. It stores O and the
+natural-log LSE (fp32, (B, H, S_q)). Backward: a small kernel forms delta; a dK/dV kernel (one
+program per key block and kv head, looping over the group's query heads and the query blocks
+of the band) and a dQ kernel (one program per query block, looping over key blocks). No
+atomics: the backward is deterministic, and a kv head's gradient sums its query heads in a fixed
+order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..bench import peers
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (32, 64, 96, 128, 256)
+LOG2E = 1.4426950408889634
+NO_WINDOW = -1
+
+
+def _fwd_configs():
+    def cfg(bm, bn, warps, stages):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+    if runtime.INTERPRET:
+        # The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
+        return [cfg(16, 16, 4, 1)]
+    return [
+        cfg(128, 64, 4, 3),
+        cfg(128, 64, 8, 3),
+        cfg(128, 128, 8, 2),
+        cfg(128, 128, 8, 3),
+        cfg(128, 32, 4, 4),
+        cfg(64, 64, 4, 4),
+        cfg(64, 32, 4, 3),
+    ]
+
+
+def _bwd_configs():
+    """BLOCK_M x BLOCK_N tiles of the score matrix for both backward kernels; the dK/dV kernel
+    keeps BLOCK_N keys resident and streams query blocks, the dQ kernel the other way round."""
+
+    def cfg(bm, bn, warps, stages):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+    if runtime.INTERPRET:
+        return [cfg(16, 16, 4, 1)]
+    return [
+        cfg(32, 128, 4, 3),
+        cfg(32, 128, 8, 2),
+        cfg(64, 64, 4, 3),
+        cfg(64, 128, 8, 2),
+        cfg(128, 32, 4, 3),
+        cfg(128, 64, 8, 2),
+        cfg(32, 64, 4, 3),
+    ]
+
+
+def _smem_fits(configs, kwargs, tiles):
+    """Keep configs whose pipelined tiles fit the H100's 227 KiB of shared memory."""
+    block_d, elt = kwargs["BLOCK_D"], 2
+    kept = [c for c in configs
+            if tiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d * elt * max(c.num_stages, 1) <= 200 * 1024]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    # Q stays resident (not pipelined); K and V blocks are pipelined over num_stages.
+    return _smem_fits(configs, kwargs, lambda bm, bn: 2 * bn + bm // 2)
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    # Two resident blocks and two streamed ones (K, V with Q, dO or the other way round).
+    return _smem_fits(configs, kwargs, lambda bm, bn: 2 * bm + 2 * bn)
+
+
+@triton.jit
+def _allowed(i, j, S_q, S_k, shift, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Whether query i may attend key j (broadcast shapes), padding rows and columns excluded."""
+    ok = (i < S_q) & (j < S_k)
+    if CAUSAL:
+        ok = ok & (j <= i + shift)
+    if WINDOW:
+        ok = ok & (j >= i + shift - window_left)
+    return ok
+
+
+@triton.jit
+def _key_range(start_m, S_k, shift, window_left,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[lo, hi) over keys, lo a multiple of BLOCK_N, covering every key that a query of the
+    block [start_m, start_m + BLOCK_M) may attend."""
+    hi = S_k
+    if CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M + shift)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+                  prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H, H_kv, S_q, S_k, sm_scale, window_left,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    if CAUSAL:
+        # The longest rows first: the last programs to start are the short ones.
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // (H // H_kv)).to(tl.int64)
+    q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_D
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < S_q) & d_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = S_k - S_q
+
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    lo, hi = _key_range(start_m, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < S_k) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+        s = tl.where(ok, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
+        m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_div = tl.where(has_key, l_i, 1.0)
+    o = acc / l_div[:, None]
+    lse = tl.where(has_key, (m_i + tl.log2(l_div)) * 0.6931471805599453, -float("inf"))
+    row_ok = offs_m < S_q
+    o_offs = bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    tl.store(lse_ptr + bh.to(tl.int64) * S_q + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attention_delta_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr, H, S_q,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    HEAD_D: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dlse, fp32, (B * H, S_q); o is contiguous."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < S_q) & (offs_d[None, :] < HEAD_D)
+    o = tl.load(o_ptr + bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do_base = do_ptr + (bh // H).to(tl.int64) * stride_dob + (bh % H).to(tl.int64) * stride_doh
+    do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    row_offs = bh.to(tl.int64) * S_q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + row_offs, mask=offs_m < S_q, other=0.0)
+    tl.store(delta_ptr + row_offs, delta, mask=offs_m < S_q)
+
+
+@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+                  prune_configs_by={"early_config_prune": _prune_bwd})
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    H, H_kv, S_q, S_k, sm_scale, window_left,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
+    the query blocks of the band. Works on transposed scores (keys along rows)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = (bhk // H_kv).to(tl.int64)
+    hk = bhk % H_kv
+    group = H // H_kv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_D
+    kv_mask = (offs_n[:, None] < S_k) & d_ok
+    k = tl.load(k_ptr + b * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = S_k - S_q
+    # Queries that can see this key block: i >= j - shift (causal), i <= j - shift + left (window).
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
+    hi = S_q
+    if WINDOW:
+        hi = tl.minimum(hi, start_n + BLOCK_N - shift + window_left)
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for g in range(0, group):
+        h = (hk * group + g).to(tl.int64)
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_dob + h * stride_doh
+        row_base = (b * H + h) * S_q
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_mask = (offs_m[:, None] < S_q) & d_ok
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                         mask=q_mask, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < S_q, other=0.0)
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < S_q, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
+            ok = _allowed(offs_m[None, :], offs_n[:, None], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+            # Rows with no allowed key (lse = -inf) are masked everywhere: where() drops their inf.
+            p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+
+    out_offs = bhk.to(tl.int64) * S_k * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+                  prune_configs_by={"early_config_prune": _prune_bwd})
+@triton.jit
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    H, H_kv, S_q, S_k, sm_scale, window_left,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of one query block: streams the key blocks of the band, as the forward does."""
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // (H // H_kv)).to(tl.int64)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_D
+    q_mask = (offs_m[:, None] < S_q) & d_ok
+    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row_offs = bh.to(tl.int64) * S_q + offs_m
+    lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < S_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_offs, mask=offs_m < S_q, other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+    shift = S_k - S_q
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    lo, hi = _key_range(start_m, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < S_k) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+
+    dq_offs = bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(dq_ptr + dq_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _constexprs(q: torch.Tensor, causal: bool, window: int) -> dict:
+    D = q.shape[-1]
+    return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW,
+                UPCAST=runtime.INTERPRET and q.dtype == torch.bfloat16,
+                INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(D)))
+
+
+def _tune_key(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int) -> tuple:
+    return (q.dtype, q.shape[2], k.shape[2], q.shape[3], causal, window != NO_WINDOW)
+
+
+_launch_fwd = runtime.TunedLauncher(_attention_fwd_kernel)
+_launch_delta = runtime.FastLaunch(_attention_delta_kernel)
+_launch_dkdv = runtime.TunedLauncher(_attention_bwd_dkdv_kernel)
+_launch_dq = runtime.TunedLauncher(_attention_bwd_dq_kernel)
+
+
+def _fake_attention_fwd(q, k, v, causal, scale, window):
+    B, H, S_q, D = q.shape
+    return q.new_empty((B, H, S_q, D)), q.new_empty((B, H, S_q), dtype=torch.float32)
+
+
+@runtime.custom_op("attention_fwd", fake=_fake_attention_fwd)
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, lse): O (B, H, S_q, D) contiguous in q's dtype, lse (B, H, S_q) float32 natural log.
+    `window` is the left window size, or NO_WINDOW."""
+    B, H, S_q, D = q.shape
+    H_kv, S_k = k.shape[1], k.shape[2]
+    o = runtime.empty((B, H, S_q, D), q.dtype, q.device)
+    lse = runtime.empty((B, H, S_q), torch.float32, q.device)
+    if o.numel() == 0:
+        lse.fill_(-math.inf)
+        return o, lse
+    _launch_fwd(
+        _tune_key(q, k, causal, window), lambda meta: (triton.cdiv(S_q, meta["BLOCK_M"]), B * H),
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, H_kv, S_q, S_k, scale, window,
+        **_constexprs(q, causal, window),
+    )
+    return o, lse
+
+
+def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@runtime.custom_op("attention_bwd", fake=_fake_attention_bwd)
+def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV), contiguous, from dO (any strides), the optional gradient of lse and the
+    forward's contiguous O and lse."""
+    B, H, S_q, D = q.shape
+    H_kv, S_k = k.shape[1], k.shape[2]
+    dq = runtime.empty(q.shape, q.dtype, q.device)
+    dk = runtime.empty(k.shape, k.dtype, k.device)
+    dv = runtime.empty(v.shape, v.dtype, v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    consts = _constexprs(q, causal, window)
+    delta = runtime.empty((B, H, S_q), torch.float32, q.device)
+    if dlse is not None and dlse.stride() != lse.stride():
+        dlse = dlse.contiguous()
+    delta_block = 16 if runtime.INTERPRET else 64
+    _launch_delta((triton.cdiv(S_q, delta_block), B * H), o, do, delta if dlse is None else dlse, delta, H, S_q,
+                  *do.stride(), HEAD_D=D, HAS_DLSE=dlse is not None, BLOCK_M=delta_block,
+                  BLOCK_D=consts["BLOCK_D"])
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    scalars = (H, H_kv, S_q, S_k, scale, window)
+    key = _tune_key(q, k, causal, window)
+    _launch_dkdv(key, lambda meta: (triton.cdiv(S_k, meta["BLOCK_N"]), B * H_kv),
+                 q, k, v, do, lse, delta, dk, dv, *strides, *scalars, **consts)
+    _launch_dq(key, lambda meta: (triton.cdiv(S_q, meta["BLOCK_M"]), B * H),
+               q, k, v, do, lse, delta, dq, *strides, *scalars, **consts)
+    return dq, dk, dv
+
+
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, window):
+        o, lse = attention_fwd(q, k, v, causal, scale, window)
+        # An unused output's gradient arrives as None, not as zeros to read.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, scale, window)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def _check_inputs(q, k, v, causal, scale, window) -> tuple[float, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        runtime.check_tensor(name, t, DTYPES)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    runtime.check_same_device(q=q, k=k, v=v)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"k has batch {k.shape[0]} but q has {B}")
+    if k.shape[3] != D:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has {D} (mismatched head dims)")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim {D}; supported: {', '.join(map(str, HEAD_DIMS))}")
+    H_kv = k.shape[1]
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's heads ({H_kv}) (H % H_kv == 0)")
+    if B * max(H, 1) > 65535:
+        raise ValueError(f"batch * heads of q must be at most 65535 (one grid axis), got {B * H}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if window is None:
+        window = NO_WINDOW
+    elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be None or a non-negative int (keys to the left), got {window!r}")
+    return float(scale), window
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
+              window: int | None = None, return_lse: bool = False):
+    """Softmax attention of q (B, H, S_q, D) over k, v (B, H_kv, S_k, D); H % H_kv == 0.
+
+    scale defaults to 1/sqrt(D). causal masks keys j > i + S_k - S_q (bottom-right aligned);
+    window=left also masks keys j < i + S_k - S_q - left. Rows with no allowed key give 0 and
+    lse = -inf. Returns O (B, H, S_q, D), and with return_lse also lse (B, H, S_q) in float32
+    (natural log), which is differentiable too."""
+    scale, window = _check_inputs(q, k, v, causal, scale, window)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = AttentionFunction.apply(q, k, v, causal, scale, window)
+    else:
+        o, lse = attention_fwd(q, k, v, causal, scale, window)
+    return (o, lse) if return_lse else o
+
+
+def attention_mask(S_q: int, S_k: int, causal: bool, window: int | None, device) -> torch.Tensor:
+    """(S_q, S_k) bool: which keys each query may attend."""
+    i = torch.arange(S_q, device=device)[:, None]
+    j = torch.arange(S_k, device=device)[None, :]
+    shift = S_k - S_q
+    ok = torch.ones(S_q, S_k, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i + shift
+    if window is not None:
+        ok &= j >= i + shift - window
+    return ok
+
+
+def attention_reference(q, k, v, causal=False, scale=None, window=None, return_lse=False):
+    """Plain torch in the inputs' dtype, k and v heads repeated. Rows with no allowed key give
+    0 (not the nan of a softmax over all -inf) and lse = -inf, as the kernels do."""
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    ok = attention_mask(q.shape[2], k.shape[2], causal, window, q.device)
+    any_key = ok.any(-1, keepdim=True)
+    s = s.masked_fill(~ok, -math.inf).masked_fill(~any_key, 0.0)
+    o = torch.softmax(s, dim=-1).masked_fill(~any_key, 0.0) @ v
+    if not return_lse:
+        return o
+    lse = torch.logsumexp(s, dim=-1).masked_fill(~any_key[:, 0], -math.inf)
+    return o, lse
+
+
+def _test_cases() -> list[TestCase]:
+    def case(id, dtype, B=1, H=2, H_kv=None, S_q=17, S_k=None, D=32, causal=False, window=None,
+             return_lse=False, transposed=False, gpu_only=False, **kw):
+        H_kv = H if H_kv is None else H_kv
+        S_k = S_q if S_k is None else S_k
+
+        def make(device):
+            def draw(heads, seq):
+                if transposed:  # (B, S, H, D) memory seen as (B, H, S, D)
+                    return torch.randn(B, seq, heads, D, device=device).to(dtype).transpose(1, 2)
+                return torch.randn(B, heads, seq, D, device=device).to(dtype)
+
+            q, k, v = draw(H, S_q), draw(H_kv, S_k), draw(H_kv, S_k)
+            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
+                causal=causal, window=window, return_lse=return_lse)
+
+        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [
+        case("fp32-s1", fp32, S_q=1),
+        case("fp32-s17-lse", fp32, return_lse=True),
+        case("fp32-s40-causal-lse", fp32, S_q=40, causal=True, return_lse=True),
+        case("fp32-sq17-sk40-causal", fp32, S_q=17, S_k=40, causal=True),
+        case("fp32-gqa-window", fp32, H=4, H_kv=2, S_q=40, window=9),
+        case("fp32-d96-transposed", fp32, S_q=17, S_k=23, D=96, transposed=True),
+        case("bf16-s17", bf16),
+        case("bf16-s40-causal-d64", bf16, S_q=40, causal=True, D=64),
+        case("bf16-gqa-causal-window", bf16, H=4, H_kv=2, S_q=40, causal=True, window=12),
+        case("bf16-mqa-sq1-sk40", bf16, H=4, H_kv=1, S_q=1, S_k=40),
+        case("fp16-s40-sk17", fp16, S_q=40, S_k=17),
+        case("fp16-mqa-causal-d64", fp16, B=2, H=4, H_kv=1, S_q=17, S_k=33, causal=True, D=64),
+        case("bf16-s1000-causal-d128", bf16, S_q=1000, causal=True, D=128, gpu_only=True),
+        case("bf16-s4097-d128", bf16, S_q=4097, D=128, gpu_only=True),
+        case("bf16-s4097-causal-d128-gqa", bf16, H=4, H_kv=2, S_q=4097, causal=True, D=128, gpu_only=True),
+        case("bf16-s1000-d256-window", bf16, S_q=1000, D=256, causal=True, window=256, gpu_only=True),
+        case("fp16-s1000-d96-sk777", fp16, S_q=1000, S_k=777, D=96, causal=True, gpu_only=True),
+    ]
+    return cases
+
+
+def _attention_flops(B, H, S, D, causal):
+    flops = 4 * B * H * S * S * D
+    return flops // 2 if causal else flops
+
+
+def _bench_cases() -> list[BenchCase]:
+    grid = [  # B, H, S, D, causal, quick
+        (4, 32, 4096, 128, True, False),
+        (4, 32, 4096, 128, False, False),
+        (8, 16, 2048, 64, True, False),
+        (1, 32, 16384, 128, True, False),
+        (1, 2, 64, 32, True, True),
+    ]
+    cases = []
+    dtype = torch.bfloat16
+    for B, H, S, D, causal, quick in grid:
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(B=B, H=H, S=S, D=D, causal=causal, mode=mode):
+                device = runtime.DEVICE
+                grad = mode != "fwd"
+                q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+                do = torch.randn(B, H, S, D, device=device, dtype=dtype)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                def backend(name):
+                    if runtime.INTERPRET:
+                        return None
+                    kernel = getattr(torch.nn.attention.SDPBackend, name)
+
+                    def run():
+                        with torch.nn.attention.sdpa_kernel(kernel):
+                            return sdpa(q, k, v, is_causal=causal)
+                    return run
+
+                providers = {"tritonformer": lambda: attention(q, k, v, causal=causal)}
+                if quick and runtime.INTERPRET:
+                    providers["torch"] = lambda: attention_reference(q, k, v, causal=causal)
+                providers["sdpa-flash"] = backend("FLASH_ATTENTION")
+                providers["sdpa-cudnn"] = backend("CUDNN_ATTENTION")
+                # The float32 reference materializes B*H*S*S scores: moderate sizes only.
+                small = B * H * S * S <= 2**28
+
+                def ref_fwd():
+                    return attention_reference(q.float(), k.float(), v.float(), causal=causal)
+
+                if mode == "fwd":
+                    return Bench(peers.available(providers), reference=ref_fwd if small else None)
+
+                def fwd_bwd(fn):
+                    return None if fn is None else lambda: torch.autograd.grad(fn(), (q, k, v), do)
+
+                def ref_bwd():
+                    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+                    return torch.autograd.grad(attention_reference(*leaves, causal=causal), leaves, do.float())
+
+                return Bench(peers.available({n: fwd_bwd(f) for n, f in providers.items()}),
+                             reference=ref_bwd if small else None)
+
+            flops = _attention_flops(B, H, S, D, causal)
+            flops = flops if mode == "fwd" else int(flops * 3.5)
+            title = "forward" if mode == "fwd" else "forward+backward"
+            cases.append(BenchCase(
+                "attention", mode, dtype, f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}", S, setup,
+                flops=flops, plot=f"{title} {'causal' if causal else 'full'} bf16", quick=quick, compare="norm"))
+    return cases
+
+
+SPEC = OpSpec(
+    name="attention",
+    fn=attention,
+    reference=attention_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="norm",
+)
