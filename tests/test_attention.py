@@ -1,0 +1,169 @@
+import math
+
+import pytest
+import torch
+
+import tritonformer as tf
+from tritonformer.ops.attention import attention_reference
+from tritonformer.testing import assert_close
+
+from helpers import compile_fullgraph, foreign_device_tensor
+
+
+def _qkv(device, B=1, H=2, H_kv=None, S_q=17, S_k=None, D=32, dtype=torch.float32, grad=True):
+    H_kv = H if H_kv is None else H_kv
+    S_k = S_q if S_k is None else S_k
+    q = torch.randn(B, H, S_q, D, device=device).to(dtype)
+    k = torch.randn(B, H_kv, S_k, D, device=device).to(dtype)
+    v = torch.randn(B, H_kv, S_k, D, device=device).to(dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _grads(fn, inputs, do):
+    return torch.autograd.grad(fn(*inputs), inputs, do)
+
+
+def _double_leaves(*ts):
+    return [t.detach().double().requires_grad_(True) for t in ts]
+
+
+@pytest.mark.parametrize("S_q,S_k", [(3, 5), (5, 3), (4, 4)])
+def test_causal_mask_is_aligned_bottom_right(S_q, S_k, device):
+    # Uniform scores (q = 0) and one-hot values: o[i, j] = 1 / (allowed keys of i) where allowed.
+    D = 32
+    q = torch.zeros(1, 1, S_q, D, device=device)
+    k = torch.randn(1, 1, S_k, D, device=device)
+    v = torch.zeros(1, 1, S_k, D, device=device)
+    v[0, 0, torch.arange(S_k), torch.arange(S_k)] = 1.0
+    o = tf.attention(q, k, v, causal=True)[0, 0, :, :S_k]
+    for i in range(S_q):
+        allowed = [j for j in range(S_k) if j <= i + S_k - S_q]
+        expected = torch.zeros(S_k, dtype=torch.float64)
+        if allowed:
+            expected[allowed] = 1.0 / len(allowed)
+        assert_close(o[i], expected, torch.float32)
+
+
+def test_window_zero_with_causal_attends_only_the_diagonal(device):
+    q, k, v = _qkv(device, S_q=9, S_k=20, grad=False)
+    o = tf.attention(q, k, v, causal=True, window=0)
+    assert_close(o, v[:, :, 11:].double(), torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_fully_masked_rows_give_zero_and_minus_inf_lse(window, device):
+    # S_q > S_k with causal: the first S_q - S_k queries see no key.
+    q, k, v = _qkv(device, S_q=21, S_k=6)
+    o, lse = tf.attention(q, k, v, causal=True, window=window, return_lse=True)
+    ref_o, ref_lse = attention_reference(*_double_leaves(q, k, v), causal=True, window=window, return_lse=True)
+    assert (o[:, :, :15] == 0).all() and (lse[:, :, :15] == -math.inf).all()
+    assert (ref_o[:, :, :15] == 0).all() and (ref_lse[:, :, :15] == -math.inf).all()
+    assert_close(o, ref_o, torch.float32)
+    assert_close(lse[:, :, 15:], ref_lse[:, :, 15:], torch.float32)
+    do = torch.randn_like(o)
+    grads = _grads(lambda *t: tf.attention(*t, causal=True, window=window), (q, k, v), do)
+    leaves = _double_leaves(q, k, v)
+    ref_grads = _grads(lambda *t: attention_reference(*t, causal=True, window=window), leaves, do.double())
+    assert (grads[0][:, :, :15] == 0).all()
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lse_is_logsumexp_of_the_scores(dtype, device):
+    q, k, v = _qkv(device, H=4, H_kv=2, S_q=19, S_k=33, dtype=dtype, grad=False)
+    _, lse = tf.attention(q, k, v, causal=True, scale=0.3, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 19)
+    kd = k.double().repeat_interleave(2, dim=1)
+    scores = (q.double() @ kd.transpose(-1, -2)) * 0.3
+    i, j = torch.arange(19)[:, None], torch.arange(33)[None, :]
+    scores = scores.masked_fill(j > i + 33 - 19, -math.inf)
+    assert_close(lse, torch.logsumexp(scores, -1), torch.float32)
+
+
+def test_empty_key_sequence_gives_zero_output(device):
+    q, k, v = _qkv(device, S_q=5, S_k=0)
+    o, lse = tf.attention(q, k, v, return_lse=True)
+    assert (o == 0).all() and (lse == -math.inf).all()
+    q, k, v = _qkv(device, S_q=0, S_k=7)
+    assert tf.attention(q, k, v).shape == (1, 2, 0, 32)
+
+
+def test_gqa_kv_gradients_sum_over_the_group(device):
+    q, k, v = _qkv(device, H=6, H_kv=2, S_q=20, S_k=24)
+    do = torch.randn(1, 6, 20, 32, device=device)
+    grads = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
+    # The same attention with k, v repeated per query head: its dk, dv summed over each group.
+    kr, vr = (t.detach().repeat_interleave(3, dim=1).requires_grad_(True) for t in (k, v))
+    _, dkr, dvr = _grads(lambda *t: tf.attention(*t, causal=True), (q, kr, vr), do)
+    assert_close(grads[1], dkr.view(1, 2, 3, 24, 32).sum(2).double(), torch.float32)
+    assert_close(grads[2], dvr.view(1, 2, 3, 24, 32).sum(2).double(), torch.float32)
+    ref = _grads(lambda *t: attention_reference(*t, causal=True), _double_leaves(q, k, v), do.double())
+    for g, r in zip(grads, ref):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
+def test_deterministic(device):
+    q, k, v = _qkv(device, H=4, H_kv=1, S_q=33, S_k=40, dtype=torch.bfloat16)
+    do = torch.randn(1, 4, 33, 32, device=device).to(torch.bfloat16)
+    runs = [_grads(lambda *t: tf.attention(*t, causal=True, window=20), (q, k, v), do) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_returns_a_tensor_and_lse_on_request(device):
+    q, k, v = _qkv(device, grad=False)
+    assert isinstance(tf.attention(q, k, v), torch.Tensor)
+    o, lse = tf.attention(q, k, v, return_lse=True)
+    assert o.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_compiles_forward_and_backward_without_graph_break(device):
+    q, k, v = _qkv(device, H=4, H_kv=2, S_q=18, S_k=21)
+    fn = compile_fullgraph(lambda q, k, v: tf.attention(q * 2, k, v, causal=True))
+    o = fn(q, k, v)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    leaves = _double_leaves(q, k, v)
+    ref = attention_reference(leaves[0] * 2, leaves[1], leaves[2], causal=True)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(o, ref, torch.float32, compare="norm")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
+def _bad(**changes):
+    def make(device):
+        q, k, v = _qkv(device, H=4, H_kv=2, grad=False)
+        args = dict(q=q, k=k, v=v)
+        for name, fn in changes.items():
+            args[name] = fn(args[name]) if callable(fn) else fn
+        return args
+    return make
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (_bad(q=lambda t: t.double()), TypeError, "q has dtype torch.float64"),
+        (_bad(k=lambda t: t.half()), TypeError, "k has dtype torch.float16 but q has"),
+        (_bad(v=lambda t: t.int()), TypeError, "v has dtype torch.int32"),
+        (_bad(q=lambda t: t[0]), ValueError, "q must be 4-D"),
+        (_bad(k=lambda t: foreign_device_tensor()), ValueError, "k is on meta"),
+        (_bad(v=lambda t: t[:, :, :5]), ValueError, "v must have k's shape"),
+        (_bad(k=lambda t: t[:, :1].expand(1, 3, 17, 32), v=lambda t: t[:, :1].expand(1, 3, 17, 32)),
+         ValueError, r"H % H_kv"),
+        (_bad(k=lambda t: t[..., :16], v=lambda t: t[..., :16]), ValueError, "mismatched head dims"),
+        (_bad(q=lambda t: t[..., :16], k=lambda t: t[..., :16], v=lambda t: t[..., :16]), ValueError,
+         "q has head_dim 16"),
+        (_bad(k=lambda t: t.expand(2, -1, -1, -1), v=lambda t: t.expand(2, -1, -1, -1)), ValueError, "k has batch 2"),
+        (_bad(causal=1), TypeError, "causal must be a bool"),
+        (_bad(scale=float("nan")), ValueError, "scale must be a finite float"),
+        (_bad(scale="1"), ValueError, "scale must be a finite float"),
+        (_bad(window=-1), ValueError, "window must be None or a non-negative int"),
+        (_bad(window=(3,)), ValueError, "window must be None or a non-negative int"),
+    ],
+)
+def test_bad_input_is_named(make, error, match, device):
+    with pytest.raises(error, match=match):
+        tf.attention(**make(device))
