@@ -167,3 +167,21 @@ def _bad(**changes):
 def test_bad_input_is_named(make, error, match, device):
     with pytest.raises(error, match=match):
         tf.attention(**make(device))
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 256)])
+def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
+    from tritonformer import runtime
+    from tritonformer.ops import attention as attention_op
+
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    args = {"q_ptr": torch.empty(1, dtype=dtype)}
+    block_d = max(16, D)
+    for configs, prune in ((attention_op._fwd_configs(), attention_op._prune_fwd),
+                           (attention_op._bwd_configs(), attention_op._prune_dkdv),
+                           (attention_op._bwd_configs(), attention_op._prune_dq)):
+        kept = prune(configs, args, BLOCK_D=block_d)
+        assert kept and all(c in configs for c in kept)
+        assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
+        if D == 64 and dtype == torch.bfloat16:
+            assert len(kept) == len(configs)

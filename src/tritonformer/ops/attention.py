@@ -56,6 +56,8 @@ def _fwd_configs():
         cfg(128, 32, 4, 4),
         cfg(64, 64, 4, 4),
         cfg(64, 32, 4, 3),
+        # Head dim 256: a 64-row fp32 accumulator over 8 warps (64 registers a thread).
+        cfg(64, 64, 8, 2),
     ]
 
 
@@ -79,22 +81,29 @@ def _bwd_configs():
     ]
 
 
-def _smem_fits(configs, kwargs, tiles):
-    """Keep configs whose pipelined tiles fit the H100's 227 KiB of shared memory."""
-    block_d, elt = kwargs["BLOCK_D"], 2
+def _smem_fits(configs, named_args, kwargs, tile_rows):
+    """Keep configs whose tiles fit the H100's 227 KiB of shared memory (with some slack);
+    `tile_rows(bm, bn, stages)` counts the BLOCK_D-wide rows held, pipelined ones per stage."""
+    block_d, elt = kwargs["BLOCK_D"], named_args["q_ptr"].element_size()
     kept = [c for c in configs
-            if tiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * block_d * elt * max(c.num_stages, 1) <= 200 * 1024]
+            if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
+            <= 200 * 1024]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 def _prune_fwd(configs, named_args, **kwargs):
-    # Q stays resident (not pipelined); K and V blocks are pipelined over num_stages.
-    return _smem_fits(configs, kwargs, lambda bm, bn: 2 * bn + bm // 2)
+    # Q stays resident; K and V blocks are pipelined.
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: bm + 2 * bn * stages)
 
 
-def _prune_bwd(configs, named_args, **kwargs):
-    # Two resident blocks and two streamed ones (K, V with Q, dO or the other way round).
-    return _smem_fits(configs, kwargs, lambda bm, bn: 2 * bm + 2 * bn)
+def _prune_dkdv(configs, named_args, **kwargs):
+    # K and V stay resident; Q and dO blocks are pipelined.
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bn + 2 * bm * stages)
+
+
+def _prune_dq(configs, named_args, **kwargs):
+    # Q and dO stay resident; K and V blocks are pipelined.
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bm + 2 * bn * stages)
 
 
 @triton.jit
@@ -216,7 +225,7 @@ def _attention_delta_kernel(
 
 
 @runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
-                  prune_configs_by={"early_config_prune": _prune_bwd})
+                  prune_configs_by={"early_config_prune": _prune_dkdv})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -289,7 +298,7 @@ def _attention_bwd_dkdv_kernel(
 
 
 @runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
-                  prune_configs_by={"early_config_prune": _prune_bwd})
+                  prune_configs_by={"early_config_prune": _prune_dq})
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -426,7 +435,8 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     delta = runtime.empty((B, H, S_q), torch.float32, q.device)
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
-    delta_block = 16 if runtime.INTERPRET else 64
+    # About 32 fp32 values of O and dO per thread of 4 warps.
+    delta_block = 16 if runtime.INTERPRET else max(16, 4096 // consts["BLOCK_D"])
     _launch_delta((triton.cdiv(S_q, delta_block), B * H), o, do, delta if dlse is None else dlse, delta, H, S_q,
                   *do.stride(), HEAD_D=D, HAS_DLSE=dlse is not None, BLOCK_M=delta_block,
                   BLOCK_D=consts["BLOCK_D"])
