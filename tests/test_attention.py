@@ -44,6 +44,19 @@ def test_causal_mask_is_aligned_bottom_right(S_q, S_k, device):
         assert_close(o[i], expected, torch.float32)
 
 
+@pytest.mark.parametrize("S_q,S_k,causal,window", [(70, 47, True, 20), (47, 70, True, 7), (70, 70, False, 7),
+                                                   (33, 70, True, None), (70, 33, False, 100)])
+def test_masked_and_unmasked_key_blocks_forward(S_q, S_k, causal, window, device):
+    # Long enough for key blocks cut by the window edge, blocks inside the band and blocks cut by
+    # the diagonal in one query block (16-wide blocks under the interpreter).
+    q, k, v = _qkv(device, H=1, S_q=S_q, S_k=S_k, grad=False)
+    o, lse = tf.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    ref_o, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal, window=window,
+                                         return_lse=True)
+    assert_close(o, ref_o, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)
+
+
 def test_window_zero_with_causal_attends_only_the_diagonal(device):
     q, k, v = _qkv(device, S_q=9, S_k=20, grad=False)
     o = tf.attention(q, k, v, causal=True, window=0)

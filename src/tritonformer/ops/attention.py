@@ -131,6 +131,61 @@ def _key_range(start_m, S_k, shift, window_left,
     return lo, hi
 
 
+@triton.jit
+def _unmasked_range(start_m, lo, hi, S_k, shift, window_left,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[mid_lo, mid_hi) within [lo, hi), block-aligned unless empty at hi: the key blocks that
+    every query of the block may attend entirely (no mask needed)."""
+    mid_hi = S_k // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        # The block's first query sees keys <= start_m + shift.
+        mid_hi = tl.minimum(mid_hi, tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N)
+    mid_lo = lo
+    if WINDOW:
+        # The block's last query sees keys >= start_m + BLOCK_M - 1 + shift - left.
+        first = tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0)
+        mid_lo = tl.maximum(mid_lo, (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    mid_lo = tl.minimum(mid_lo, hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return mid_lo, mid_hi
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, hi,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    """Online-softmax update of (acc, l, m) over the key blocks [lo, hi) (base-2 logits)."""
+    d_ok = offs_d[None, :] < HEAD_D
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASK:
+            kv_mask = (offs_n[:, None] < S_k) & d_ok
+        else:
+            kv_mask = d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if MASK:
+            ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+            s = tl.where(ok, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
+            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_sub = m_new
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
                   prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
@@ -171,25 +226,18 @@ def _attention_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, hi = _key_range(start_m, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < S_k) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
-        s = tl.where(ok, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
-        m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-        m_i = m_new
+    mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    # Blocks cut by the window's left edge, blocks inside the band (no mask), blocks cut by the
+    # diagonal or the end of the keys.
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, mid_lo,
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, mid_lo, mid_hi,
+                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, mid_hi, hi,
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
 
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
