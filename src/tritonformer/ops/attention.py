@@ -186,18 +186,39 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_v
     return acc, l_i, m_i
 
 
-@runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+@triton.jit
+def _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN: tl.constexpr):
+    """(first query row, query count, first key row, key count) of batch entry b: read from
+    cu_seqlens in a packed (varlen) batch, else (0, S_q, 0, S_k)."""
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + b).to(tl.int64)
+        len_q = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+        k_start = tl.load(cu_k_ptr + b).to(tl.int64)
+        len_k = tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)
+    else:
+        q_start = 0
+        len_q = S_q
+        k_start = 0
+        len_k = S_k
+    return q_start, len_q, k_start, len_k
+
+
+@runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
-    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """S_q, S_k are the lengths of every sequence, or with VARLEN the longest ones (the grid's
+    extent); a sequence's rows start at row q_start / k_start of the packed tensors."""
     if CAUSAL:
         # The longest rows first: the last programs to start are the short ones.
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -205,134 +226,151 @@ def _attention_fwd_kernel(
         pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // (H // H_kv)).to(tl.int64)
-    q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // H_kv)
+    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= len_q:
+            return
+    q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
+    k_base = k_ptr + b * stride_kb + k_start * stride_ks + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + k_start * stride_vs + hk * stride_vh
+
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_D
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=(offs_m[:, None] < S_q) & d_ok, other=0.0)
+                mask=(offs_m[:, None] < len_q) & d_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
-    shift = S_k - S_q
+    shift = len_k - len_q
 
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    lo, hi = _key_range(start_m, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    lo, hi = _key_range(start_m, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # Blocks cut by the window's left edge, blocks inside the band (no mask), blocks cut by the
     # diagonal or the end of the keys.
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, mid_lo,
+                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
                                 True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, mid_lo, mid_hi,
+                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
                                 False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, mid_hi, hi,
+                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
                                 True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
 
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
     o = acc / l_div[:, None]
     lse = tl.where(has_key, (m_i + tl.log2(l_div)) * 0.6931471805599453, -float("inf"))
-    row_ok = offs_m < S_q
-    o_offs = bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+    row_ok = offs_m < len_q
+    rows = q_start + offs_m
+    o_offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
     tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
-    tl.store(lse_ptr + bh.to(tl.int64) * S_q + offs_m, lse, mask=row_ok)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
 @triton.jit
 def _attention_delta_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr, H, S_q,
+    stride_ob, stride_oh, stride_os,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_lb, stride_lh,
     HEAD_D: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) - dlse, fp32, (B * H, S_q); o is contiguous."""
+    """delta = rowsum(dO * O) - dlse, fp32, laid out as lse; O has unit head-dim stride. A packed
+    batch is one sequence of all its rows here (delta is per row)."""
     bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < S_q) & (offs_d[None, :] < HEAD_D)
-    o = tl.load(o_ptr + bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    do_base = do_ptr + (bh // H).to(tl.int64) * stride_dob + (bh % H).to(tl.int64) * stride_doh
+    do_base = do_ptr + b * stride_dob + h * stride_doh
     do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
                  mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    row_offs = bh.to(tl.int64) * S_q + offs_m
+    row_offs = b * stride_lb + h * stride_lh + offs_m
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + row_offs, mask=offs_m < S_q, other=0.0)
     tl.store(delta_ptr + row_offs, delta, mask=offs_m < S_q)
 
 
-@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_dkdv})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
-    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
-    the query blocks of the band. Works on transposed scores (keys along rows)."""
+    the query blocks of the band. Works on transposed scores (keys along rows). dK and dV share
+    the strides stride_dk*."""
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = (bhk // H_kv).to(tl.int64)
-    hk = bhk % H_kv
+    hk = (bhk % H_kv).to(tl.int64)
     group = H // H_kv
+    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
+    if VARLEN:
+        if start_n >= len_k:
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_D
-    kv_mask = (offs_n[:, None] < S_k) & d_ok
-    k = tl.load(k_ptr + b * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks
+    kv_mask = (offs_n[:, None] < len_k) & d_ok
+    k = tl.load(k_ptr + b * stride_kb + (k_start + offs_n[:, None]) * stride_ks + hk * stride_kh
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs
+    v = tl.load(v_ptr + b * stride_vb + (k_start + offs_n[:, None]) * stride_vs + hk * stride_vh
                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
-    shift = S_k - S_q
+    shift = len_k - len_q
     # Queries that can see this key block: i >= j - shift (causal), i <= j - shift + left (window).
     lo = 0
     if CAUSAL:
         lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
-    hi = S_q
+    hi = len_q
     if WINDOW:
         hi = tl.minimum(hi, start_n + BLOCK_N - shift + window_left)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for g in range(0, group):
-        h = (hk * group + g).to(tl.int64)
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_dob + h * stride_doh
-        row_base = (b * H + h) * S_q
+        h = hk * group + g
+        q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
+        do_base = do_ptr + b * stride_dob + q_start * stride_dos + h * stride_doh
+        row_base = b * stride_lb + h * stride_lh + q_start
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_mask = (offs_m[:, None] < S_q) & d_ok
+            q_mask = (offs_m[:, None] < len_q) & d_ok
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
                          mask=q_mask, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < S_q, other=0.0)
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < S_q, other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < len_q, other=0.0)
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < len_q, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-            ok = _allowed(offs_m[None, :], offs_n[:, None], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+            ok = _allowed(offs_m[None, :], offs_n[:, None], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
             # Rows with no allowed key (lse = -inf) are masked everywhere: where() drops their inf.
             p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -340,23 +378,25 @@ def _attention_bwd_dkdv_kernel(
             ds_t = p_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
 
-    out_offs = bhk.to(tl.int64) * S_k * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+    out_offs = b * stride_dkb + hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :]
     tl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW"],
+@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_dq})
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
-    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block: streams the key blocks of the band, as the forward does."""
     if CAUSAL:
@@ -365,47 +405,51 @@ def _attention_bwd_dq_kernel(
         pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // (H // H_kv)).to(tl.int64)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // H_kv)
+    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= len_q:
+            return
+    k_base = k_ptr + b * stride_kb + k_start * stride_ks + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + k_start * stride_vs + hk * stride_vh
+
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_D
-    q_mask = (offs_m[:, None] < S_q) & d_ok
-    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs
+    q_mask = (offs_m[:, None] < len_q) & d_ok
+    q = tl.load(q_ptr + b * stride_qb + (q_start + offs_m[:, None]) * stride_qs + h * stride_qh
                 + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
+    do = tl.load(do_ptr + b * stride_dob + (q_start + offs_m[:, None]) * stride_dos + h * stride_doh
                  + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    row_offs = bh.to(tl.int64) * S_q + offs_m
-    lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < S_q, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + row_offs, mask=offs_m < S_q, other=0.0)
+    row_offs = b * stride_lb + h * stride_lh + q_start + offs_m
+    lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_offs, mask=offs_m < len_q, other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
-    shift = S_k - S_q
+    shift = len_k - len_q
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    lo, hi = _key_range(start_m, S_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    lo, hi = _key_range(start_m, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < S_k) & d_ok
+        kv_mask = (offs_n[:, None] < len_k) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+        ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
 
-    dq_offs = bh.to(tl.int64) * S_q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+    dq_offs = b * stride_dqb + h * stride_dqh + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :]
     tl.store(dq_ptr + dq_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -415,15 +459,46 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _constexprs(q: torch.Tensor, causal: bool, window: int) -> dict:
+def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dict:
     D = q.shape[-1]
-    return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW,
+    return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen,
                 UPCAST=runtime.INTERPRET and q.dtype == torch.bfloat16,
                 INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(D)))
 
 
-def _tune_key(q: torch.Tensor, k: torch.Tensor, causal: bool, window: int) -> tuple:
-    return (q.dtype, q.shape[2], k.shape[2], q.shape[3], causal, window != NO_WINDOW)
+def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool) -> tuple:
+    if varlen:
+        # max_seqlen changes from batch to batch: tune once per power-of-two bucket.
+        S_q, S_k = triton.next_power_of_2(S_q), triton.next_power_of_2(S_k)
+    return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen)
+
+
+class _Layout:
+    """Sizes and kernel strides of a padded (B, H, S, D) or packed (total, H, D) batch. A packed
+    tensor's batch stride is 0 (sequences are found through cu_seqlens); S_q, S_k are then the
+    max_seqlen bounds. Outputs O, dQ, dK, dV are contiguous (unit head-dim stride); lse is
+    (B, H, S_q) or (H, total_q)."""
+
+    def __init__(self, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        self.varlen = cu_seqlens_q is not None
+        if self.varlen:
+            self.B = cu_seqlens_q.shape[0] - 1
+            self.H, self.H_kv, self.D = q.shape[1], k.shape[1], q.shape[2]
+            self.S_q, self.S_k = max_seqlen_q, max_seqlen_k
+            self.lse_shape = (self.H, q.shape[0])
+        else:
+            self.B, self.H, self.S_q, self.D = q.shape
+            self.H_kv, self.S_k = k.shape[1], k.shape[2]
+            self.lse_shape = (self.B, self.H, self.S_q)
+
+    def strides(self, t: torch.Tensor) -> tuple:
+        """(batch, head, seq, head_dim) strides of an input or output tensor."""
+        if self.varlen:
+            return 0, t.stride(1), t.stride(0), t.stride(2)
+        return t.stride()
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple:
+        return (0, lse.stride(0)) if self.varlen else lse.stride()[:2]
 
 
 _launch_fwd = runtime.TunedLauncher(_attention_fwd_kernel)
@@ -432,32 +507,36 @@ _launch_dkdv = runtime.TunedLauncher(_attention_bwd_dkdv_kernel)
 _launch_dq = runtime.TunedLauncher(_attention_bwd_dq_kernel)
 
 
-def _fake_attention_fwd(q, k, v, causal, scale, window):
-    B, H, S_q, D = q.shape
-    return q.new_empty((B, H, S_q, D)), q.new_empty((B, H, S_q), dtype=torch.float32)
+def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
+                        max_seqlen_q=0, max_seqlen_k=0):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @runtime.custom_op("attention_fwd", fake=_fake_attention_fwd)
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, lse): O (B, H, S_q, D) contiguous in q's dtype, lse (B, H, S_q) float32 natural log.
-    `window` is the left window size, or NO_WINDOW."""
-    B, H, S_q, D = q.shape
-    H_kv, S_k = k.shape[1], k.shape[2]
-    o = runtime.empty((B, H, S_q, D), q.dtype, q.device)
-    lse = runtime.empty((B, H, S_q), torch.float32, q.device)
-    if o.numel() == 0:
+                  window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, lse): O contiguous with q's shape and dtype, lse float32 natural log, (B, H, S_q) or for
+    a packed batch (H, total_q). `window` is the left window size, or NO_WINDOW."""
+    lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    o = runtime.empty(q.shape, q.dtype, q.device)
+    lse = runtime.empty(lay.lse_shape, torch.float32, q.device)
+    if o.numel() == 0 or lay.S_q == 0:
         lse.fill_(-math.inf)
         return o, lse
+    consts = _constexprs(q, causal, window, lay.varlen)
     _launch_fwd(
-        _tune_key(q, k, causal, window), lambda meta: (triton.cdiv(S_q, meta["BLOCK_M"]), B * H),
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), H, H_kv, S_q, S_k, scale, window,
-        **_constexprs(q, causal, window),
+        _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
+        lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]), lay.B * lay.H),
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
+        *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window, **consts,
     )
     return o, lse
 
 
-def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window):
+def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -466,76 +545,124 @@ def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window):
 @runtime.custom_op("attention_bwd", fake=_fake_attention_bwd)
 def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                  window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV), contiguous, from dO (any strides), the optional gradient of lse and the
     forward's contiguous O and lse."""
-    B, H, S_q, D = q.shape
-    H_kv, S_k = k.shape[1], k.shape[2]
+    lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq = runtime.empty(q.shape, q.dtype, q.device)
     dk = runtime.empty(k.shape, k.dtype, k.device)
     dv = runtime.empty(v.shape, v.dtype, v.device)
-    if dq.numel() == 0 or dk.numel() == 0:
+    if dq.numel() == 0 or dk.numel() == 0 or lay.S_q == 0 or lay.S_k == 0:
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return dq, dk, dv
-    consts = _constexprs(q, causal, window)
-    delta = runtime.empty((B, H, S_q), torch.float32, q.device)
+    consts = _constexprs(q, causal, window, lay.varlen)
+    delta = runtime.empty(lse.shape, torch.float32, q.device)
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
     # About 32 fp32 values of O and dO per thread of 4 warps.
     delta_block = 16 if runtime.INTERPRET else max(16, 4096 // consts["BLOCK_D"])
-    _launch_delta((triton.cdiv(S_q, delta_block), B * H), o, do, delta if dlse is None else dlse, delta, H, S_q,
-                  *do.stride(), HEAD_D=D, HAS_DLSE=dlse is not None, BLOCK_M=delta_block,
-                  BLOCK_D=consts["BLOCK_D"])
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    scalars = (H, H_kv, S_q, S_k, scale, window)
-    key = _tune_key(q, k, causal, window)
-    _launch_dkdv(key, lambda meta: (triton.cdiv(S_k, meta["BLOCK_N"]), B * H_kv),
-                 q, k, v, do, lse, delta, dk, dv, *strides, *scalars, **consts)
-    _launch_dq(key, lambda meta: (triton.cdiv(S_q, meta["BLOCK_M"]), B * H),
-               q, k, v, do, lse, delta, dq, *strides, *scalars, **consts)
+    # Delta is per row: a packed batch is one sequence of all its rows.
+    B, rows = (1, q.shape[0]) if lay.varlen else (lay.B, lay.S_q)
+    _launch_delta((triton.cdiv(rows, delta_block), B * lay.H), o, do, delta if dlse is None else dlse, delta,
+                  lay.H, rows, *lay.strides(o)[:3], *lay.strides(do), *lay.lse_strides(lse),
+                  HEAD_D=lay.D, HAS_DLSE=dlse is not None, BLOCK_M=delta_block, BLOCK_D=consts["BLOCK_D"])
+    strides = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do))
+    scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
+    key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
+    lse_strides = lay.lse_strides(lse)
+    _launch_dkdv(key, lambda meta: (triton.cdiv(lay.S_k, meta["BLOCK_N"]), lay.B * lay.H_kv),
+                 q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
+                 *lay.strides(dk)[:3], *lse_strides, *scalars, **consts)
+    _launch_dq(key, lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]), lay.B * lay.H),
+               q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides,
+               *lay.strides(dq)[:3], *lse_strides, *scalars, **consts)
     return dq, dk, dv
 
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window):
-        o, lse = attention_fwd(q, k, v, causal, scale, window)
+    def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        o, lse = attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k)
         # An unused output's gradient arrives as None, not as zeros to read.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (causal, scale, window)
+        ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *ctx.args, cu_seqlens_q, cu_seqlens_k,
+                                   *ctx.max_seqlens)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _check_inputs(q, k, v, causal, scale, window) -> tuple[float, int]:
+def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Shapes, dtypes and devices always; the values of cu_seqlens only where they live on the
+    CPU (reading them from a GPU would synchronize with it): there they must start at 0, not
+    decrease, end at q's and k's row counts, and fit max_seqlen_q / max_seqlen_k. On a GPU these
+    values are trusted, as flash-attn trusts them."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise ValueError(f"{name} is None: a packed batch needs both cu_seqlens_q and cu_seqlens_k")
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q has batch {cu_seqlens_q.shape[0] - 1} but cu_seqlens_k has "
+                         f"{cu_seqlens_k.shape[0] - 1} (their batch sizes differ)")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be a non-negative int with cu_seqlens, got {m!r}")
+    if cu_seqlens_q.device.type != "cpu":
+        return
+    for name, cu, total, m, of in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "q"),
+                                   ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "k")):
+        lengths = cu.diff()
+        if cu[0].item() != 0 or (lengths < 0).any():
+            raise ValueError(f"{name} must start at 0 and not decrease, got {cu.tolist()}")
+        if cu[-1].item() != total:
+            raise ValueError(f"{name}[-1] is {cu[-1].item()} but {of} has {total} rows (shape[0])")
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest > m:
+            raise ValueError(f"max_seqlen_{of} is {m} but a sequence of cu_seqlens_{of} has {longest} rows")
+
+
+def _check_inputs(q, k, v, causal, scale, window, varlen=False) -> tuple[float, int]:
+    dims, layout = (3, "(total, heads, head_dim)") if varlen else (4, "(batch, heads, seq, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         runtime.check_tensor(name, t, DTYPES)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
     runtime.check_same_device(q=q, k=k, v=v)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    B, H, _, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"k has batch {k.shape[0]} but q has {B}")
-    if k.shape[3] != D:
-        raise ValueError(f"k has head_dim {k.shape[3]} but q has {D} (mismatched head dims)")
+    if varlen:
+        B, (_, H, D), H_kv = 1, q.shape, k.shape[1]
+    else:
+        B, H, _, D = q.shape
+        H_kv = k.shape[1]
+        if k.shape[0] != B:
+            raise ValueError(f"k has batch {k.shape[0]} but q has {B}")
+    if k.shape[-1] != D:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has {D} (mismatched head dims)")
     if D not in HEAD_DIMS:
         raise ValueError(f"q has head_dim {D}; supported: {', '.join(map(str, HEAD_DIMS))}")
-    H_kv = k.shape[1]
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(f"q's heads ({H}) must be a multiple of k's heads ({H_kv}) (H % H_kv == 0)")
     if B * max(H, 1) > 65535:
@@ -554,18 +681,42 @@ def _check_inputs(q, k, v, causal, scale, window) -> tuple[float, int]:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
-              window: int | None = None, return_lse: bool = False):
+              window: int | None = None, return_lse: bool = False, *, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None):
     """Softmax attention of q (B, H, S_q, D) over k, v (B, H_kv, S_k, D); H % H_kv == 0.
 
     scale defaults to 1/sqrt(D). causal masks keys j > i + S_k - S_q (bottom-right aligned);
     window=left also masks keys j < i + S_k - S_q - left. Rows with no allowed key give 0 and
     lse = -inf. Returns O (B, H, S_q, D), and with return_lse also lse (B, H, S_q) in float32
-    (natural log), which is differentiable too."""
-    scale, window = _check_inputs(q, k, v, causal, scale, window)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = AttentionFunction.apply(q, k, v, causal, scale, window)
+    (natural log), which is differentiable too.
+
+    Packed variable-length batch (flash-attn's varlen convention): with cu_seqlens_q and
+    cu_seqlens_k (int32, (batch + 1,), cumulative from 0, on q's device), q is (total_q, H, D) and
+    k, v are (total_k, H_kv, D); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q
+    against rows cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v, with causal and window aligned per
+    sequence (S_q, S_k above being that sequence's lengths; lengths 0 allowed). max_seqlen_q and
+    max_seqlen_k (ints, required) bound the lengths. O is (total_q, H, D) and lse (H, total_q),
+    flash-attn's varlen layout. The values of cu_seqlens and max_seqlen are checked only when
+    cu_seqlens is on the CPU; on a GPU they are trusted (checking would synchronize), and a
+    max_seqlen below a real length silently drops that sequence's later rows."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    scale, window = _check_inputs(q, k, v, causal, scale, window, varlen)
+    if varlen:
+        _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > 65535:
+            raise ValueError(f"batch * heads must be at most 65535 (one grid axis), got "
+                             f"{(cu_seqlens_q.shape[0] - 1) * q.shape[1]}")
+        extra = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     else:
-        o, lse = attention_fwd(q, k, v, causal, scale, window)
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name} is given without cu_seqlens_q / cu_seqlens_k")
+        extra = (None, None, 0, 0)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = AttentionFunction.apply(q, k, v, causal, scale, window, *extra)
+    else:
+        o, lse = attention_fwd(q, k, v, causal, scale, window, *extra)
     return (o, lse) if return_lse else o
 
 
@@ -582,9 +733,24 @@ def attention_mask(S_q: int, S_k: int, causal: bool, window: int | None, device)
     return ok
 
 
-def attention_reference(q, k, v, causal=False, scale=None, window=None, return_lse=False):
+def attention_reference(q, k, v, causal=False, scale=None, window=None, return_lse=False, *, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Plain torch in the inputs' dtype, k and v heads repeated. Rows with no allowed key give
-    0 (not the nan of a softmax over all -inf) and lse = -inf, as the kernels do."""
+    0 (not the nan of a softmax over all -inf) and lse = -inf, as the kernels do. A packed batch
+    (cu_seqlens) is a loop over its sequences, each a padded call of batch 1."""
+    if cu_seqlens_q is not None:
+        outs, lses = [], []
+        bounds = zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:],
+                     cu_seqlens_k.tolist()[:-1], cu_seqlens_k.tolist()[1:])
+        for q0, q1, k0, k1 in bounds:
+            o, lse = attention_reference(*(t[a:b].transpose(0, 1)[None] for t, a, b in
+                                           ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
+                                         causal=causal, scale=scale, window=window, return_lse=True)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0])
+        o = torch.cat(outs) if outs else q.new_empty(q.shape)
+        lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0))
+        return (o, lse) if return_lse else o
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     group = q.shape[1] // k.shape[1]
