@@ -785,6 +785,23 @@ def _test_cases() -> list[TestCase]:
 
         return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
 
+    def varlen(id, dtype, lens_q, lens_k, H=2, H_kv=None, D=32, causal=False, window=None, return_lse=False,
+               gpu_only=False, **kw):
+        """A packed batch: q (sum(lens_q), H, D), k and v (sum(lens_k), H_kv, D)."""
+        H_kv = H if H_kv is None else H_kv
+
+        def make(device):
+            def cu(lens):
+                return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+
+            q = torch.randn(sum(lens_q), H, D, device=device).to(dtype)
+            k, v = (torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype) for _ in range(2))
+            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
+                causal=causal, window=window, return_lse=return_lse, cu_seqlens_q=cu(lens_q),
+                cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
+
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     cases = [
         case("fp32-s1", fp32, S_q=1),
@@ -804,6 +821,14 @@ def _test_cases() -> list[TestCase]:
         case("bf16-s4097-causal-d128-gqa", bf16, H=4, H_kv=2, S_q=4097, causal=True, D=128, gpu_only=True),
         case("bf16-s1000-d256-window", bf16, S_q=1000, D=256, causal=True, window=256, gpu_only=True),
         case("fp16-s1000-d96-sk777", fp16, S_q=1000, S_k=777, D=96, causal=True, gpu_only=True),
+        # Packed batches: lengths 0 and 1, S_q != S_k per sequence, rows with no key (causal).
+        varlen("varlen-fp32-lse", fp32, [5, 1, 0, 23], [9, 1, 4, 30], return_lse=True),
+        varlen("varlen-fp32-causal", fp32, [17, 1, 0, 9, 20], [30, 1, 3, 0, 6], causal=True),
+        varlen("varlen-bf16-gqa-causal-window", bf16, [33, 1, 0, 12], [40, 1, 5, 12], H=4, H_kv=2, causal=True,
+               window=7),
+        varlen("varlen-fp16-mqa-window-d64", fp16, [7, 19], [19, 7], H=4, H_kv=1, D=64, window=3),
+        varlen("varlen-bf16-causal-d128-gqa", bf16, [1, 700, 64, 1500, 0, 1, 1000, 830],
+               [1, 700, 90, 1500, 3, 1, 1000, 900], H=8, H_kv=2, D=128, causal=True, gpu_only=True),
     ]
     return cases
 
