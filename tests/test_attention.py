@@ -198,3 +198,133 @@ def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
         assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
         if D == 64 and dtype == torch.bfloat16:
             assert len(kept) == len(configs)
+
+
+# ---- packed variable-length batches (cu_seqlens) ----
+
+def _cu(lens, device):
+    return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+
+
+def _packed(device, lens_q, lens_k, H=4, H_kv=2, D=32, dtype=torch.float32):
+    q = torch.randn(sum(lens_q), H, D, device=device).to(dtype)
+    k = torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype)
+    v = torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype)
+    kw = dict(cu_seqlens_q=_cu(lens_q, device), cu_seqlens_k=_cu(lens_k, device),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    return [t.requires_grad_(True) for t in (q, k, v)], kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 6)])
+def test_varlen_equals_padded_calls_per_sequence(causal, window, dtype, device):
+    # The same kernels on the same blocks (offsets from each sequence's start): bit for bit,
+    # output, lse and all three gradients (with a gradient of lse too).
+    lens_q, lens_k = [18, 1, 0, 5, 33], [20, 1, 3, 0, 17]
+    (q, k, v), kw = _packed(device, lens_q, lens_k, dtype=dtype)
+    o, lse = tf.attention(q, k, v, causal=causal, window=window, return_lse=True, **kw)
+    assert o.shape == q.shape and lse.shape == (4, sum(lens_q)) and lse.dtype == torch.float32
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    grads = torch.autograd.grad((o, lse), (q, k, v), (do, dlse))
+    cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    for b in range(len(lens_q)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        leaves = [t[r].detach().transpose(0, 1)[None].requires_grad_(True) for t, r in ((q, rq), (k, rk), (v, rk))]
+        o_b, lse_b = tf.attention(*leaves, causal=causal, window=window, return_lse=True)
+        assert torch.equal(o[rq], o_b[0].transpose(0, 1)) and torch.equal(lse[:, rq], lse_b[0])
+        if lens_q[b] and lens_k[b]:
+            g_b = torch.autograd.grad((o_b, lse_b), leaves, (do[rq].transpose(0, 1)[None], dlse[:, rq][None]))
+            for g, gb, r in zip(grads, g_b, (rq, rk, rk)):
+                assert torch.equal(g[r], gb[0].transpose(0, 1))
+        else:
+            assert (grads[0][rq] == 0).all() and (grads[1][rk] == 0).all() and (grads[2][rk] == 0).all()
+
+
+def test_varlen_strided_packed_inputs_and_loose_max_seqlen(device):
+    # q, k, v as views of one (total, 3, H, D) qkv buffer (flash-attn's packed qkv), and
+    # max_seqlen larger than any sequence (extra blocks exit at once).
+    lens = [9, 1, 26, 0, 14]
+    qkv = torch.randn(sum(lens), 3, 2, 64, device=device, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    kw = dict(cu_seqlens_q=_cu(lens, device), cu_seqlens_k=_cu(lens, device), max_seqlen_q=40, max_seqlen_k=50)
+    o = tf.attention(q, k, v, causal=True, **kw)
+    do = torch.randn_like(o)
+    (g,) = torch.autograd.grad(o, qkv, do)
+    leaf = qkv.detach().double().requires_grad_(True)
+    ref = attention_reference(*leaf.unbind(1), causal=True, **kw)
+    (ref_g,) = torch.autograd.grad(ref, leaf, do.double())
+    assert_close(o, ref, torch.float32)
+    assert_close(g, ref_g, torch.float32, compare="norm")
+
+
+def test_varlen_empty_batch_and_no_grad(device):
+    (q, k, v), kw = _packed(device, [3, 4], [5, 2])
+    with torch.no_grad():
+        assert tf.attention(q, k, v, **kw).shape == q.shape
+    q0, k0 = q[:0].detach(), k[:0].detach()
+    cu = torch.zeros(1, dtype=torch.int32, device=device)
+    o, lse = tf.attention(q0, k0, k0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=0, max_seqlen_k=0,
+                          return_lse=True)
+    assert o.shape == (0, 4, 32) and lse.shape == (4, 0)
+
+
+def test_varlen_compiles_forward_and_backward_without_graph_break(device):
+    (q, k, v), kw = _packed(device, [7, 1, 0, 19], [12, 1, 2, 19])
+    fn = compile_fullgraph(lambda q, k, v, cq, ck: tf.attention(
+        q * 2, k, v, causal=True, window=5, return_lse=True, cu_seqlens_q=cq, cu_seqlens_k=ck,
+        max_seqlen_q=kw["max_seqlen_q"], max_seqlen_k=kw["max_seqlen_k"]))
+    o, lse = fn(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    leaves = _double_leaves(q, k, v)
+    ref, ref_lse = attention_reference(leaves[0] * 2, leaves[1], leaves[2], causal=True, window=5,
+                                       return_lse=True, **kw)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(o, ref, torch.float32, compare="norm")
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
+def _bad_varlen(**changes):
+    def make(device):
+        (q, k, v), kw = _packed(device, [3, 5], [4, 6])
+        args = dict(q=q.detach(), k=k.detach(), v=v.detach(), **kw)
+        for name, fn in changes.items():
+            args[name] = fn(args[name]) if callable(fn) else fn
+        return args
+    return make
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (_bad_varlen(cu_seqlens_q=lambda t: t.long()), TypeError, "cu_seqlens_q must be int32"),
+        (_bad_varlen(cu_seqlens_k=lambda t: t[None]), ValueError, r"cu_seqlens_k must be 1-D"),
+        (_bad_varlen(cu_seqlens_k=None), ValueError, "cu_seqlens_k is None"),
+        (_bad_varlen(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+        (_bad_varlen(cu_seqlens_q=lambda t: t.to("meta")), ValueError, "cu_seqlens_q is on meta"),
+        (_bad_varlen(cu_seqlens_k=lambda t: t[:2]), ValueError, "batch sizes differ"),
+        (_bad_varlen(cu_seqlens_q=lambda t: t - 0 + torch.tensor([0, 0, 1], dtype=torch.int32)), ValueError,
+         r"cu_seqlens_q\[-1\] is 9 but q has 8 rows"),
+        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([0, 7, 10], dtype=torch.int32)), ValueError,
+         r"cu_seqlens_k\[-1\] is 10 but k has 10 rows|max_seqlen_k is 6"),
+        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError,
+         "cu_seqlens_k must start at 0 and not decrease"),
+        (_bad_varlen(cu_seqlens_q=lambda t: torch.tensor([0, 9, 8], dtype=torch.int32)), ValueError,
+         "cu_seqlens_q must start at 0 and not decrease"),
+        (_bad_varlen(max_seqlen_q=4), ValueError, "max_seqlen_q is 4 but a sequence of cu_seqlens_q has 5 rows"),
+        (_bad_varlen(max_seqlen_k=None), ValueError, "max_seqlen_k must be a non-negative int"),
+        (_bad_varlen(max_seqlen_q=-1), ValueError, "max_seqlen_q must be a non-negative int"),
+        (_bad_varlen(q=lambda t: t[None]), ValueError, r"q must be 3-D \(total, heads, head_dim\)"),
+    ],
+)
+def test_varlen_bad_input_is_named(make, error, match, device):
+    with pytest.raises(error, match=match):
+        tf.attention(**make(device))
+
+
+def test_max_seqlen_without_cu_seqlens_is_an_error(device):
+    q, k, v = _qkv(device, grad=False)
+    with pytest.raises(ValueError, match="max_seqlen_q is given without cu_seqlens"):
+        tf.attention(q, k, v, max_seqlen_q=17)

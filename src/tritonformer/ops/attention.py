@@ -606,9 +606,9 @@ class AttentionFunction(torch.autograd.Function):
 
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """Shapes, dtypes and devices always; the values of cu_seqlens only where they live on the
-    CPU (reading them from a GPU would synchronize with it): there they must start at 0, not
-    decrease, end at q's and k's row counts, and fit max_seqlen_q / max_seqlen_k. On a GPU these
-    values are trusted, as flash-attn trusts them."""
+    CPU (reading them from a GPU would synchronize with it) and not under torch.compile: there
+    they must start at 0, not decrease, end at q's and k's row counts, and fit max_seqlen_q /
+    max_seqlen_k. Otherwise these values are trusted, as flash-attn trusts them."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
             raise ValueError(f"{name} is None: a packed batch needs both cu_seqlens_q and cu_seqlens_k")
@@ -626,7 +626,8 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{name} must be a non-negative int with cu_seqlens, got {m!r}")
-    if cu_seqlens_q.device.type != "cpu":
+    if cu_seqlens_q.device.type != "cpu" or torch.compiler.is_compiling():
+        # Under torch.compile the values are data the graph cannot branch on: trusted too.
         return
     for name, cu, total, m, of in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "q"),
                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "k")):
@@ -698,8 +699,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     sequence (S_q, S_k above being that sequence's lengths; lengths 0 allowed). max_seqlen_q and
     max_seqlen_k (ints, required) bound the lengths. O is (total_q, H, D) and lse (H, total_q),
     flash-attn's varlen layout. The values of cu_seqlens and max_seqlen are checked only when
-    cu_seqlens is on the CPU; on a GPU they are trusted (checking would synchronize), and a
-    max_seqlen below a real length silently drops that sequence's later rows."""
+    cu_seqlens is on the CPU and not under torch.compile; on a GPU they are trusted (checking
+    would synchronize), and a max_seqlen below a real length silently leaves that sequence's
+    later rows unwritten."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     scale, window = _check_inputs(q, k, v, causal, scale, window, varlen)
     if varlen:
