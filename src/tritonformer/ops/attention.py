@@ -6,6 +6,11 @@
 
 Layout (B, H, S, D); k and v have H_kv heads with H % H_kv == 0 (grouped-query / multi-query
 attention): query head h reads kv head h // (H // H_kv), and k, v are never repeated in memory.
+Packed variable-length batches (flash-attn's varlen convention): q (total_q, H, D), k, v
+(total_k, H_kv, D), int32 cu_seqlens_q / cu_seqlens_k of shape (batch + 1,); the same kernels
+run with a VARLEN switch, the grid's batch axis indexing sequences, each program reading its
+sequence's first row and length from cu_seqlens (blocks past the length exit at once), masks
+aligned per sequence. O is (total_q, H, D) and lse (H, total_q).
 
 Masks, with shift = S_k - S_q (causal masks are aligned bottom-right, as in flash-attn):
     causal:       key j is allowed for query i iff j <= i + shift
@@ -899,6 +904,44 @@ def _bench_cases() -> list[BenchCase]:
             cases.append(BenchCase(
                 "attention", mode, dtype, f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}", S, setup,
                 flops=flops, plot=f"{title} {'causal' if causal else 'full'} bf16", quick=quick, compare="norm"))
+    return cases + _varlen_bench_cases()
+
+
+def _varlen_bench_cases() -> list[BenchCase]:
+    """A packed batch of 8 causal sequences (16384 tokens) against SDPA on the same batch padded
+    to its longest sequence (what a caller without varlen does). FLOPs count the packed work."""
+    lens, H, D, dtype = [4096, 512, 3000, 1, 2048, 1500, 4000, 1227], 32, 128, torch.bfloat16
+    cases = []
+    for mode in ("fwd", "fwd+bwd"):
+        def setup(mode=mode):
+            device, grad, total, longest = runtime.DEVICE, mode != "fwd", sum(lens), max(lens)
+            cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+            q, k, v = (torch.randn(total, H, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+            do = torch.randn(total, H, D, device=device, dtype=dtype)
+            kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+            padded = [torch.randn(len(lens), H, longest, D, device=device, dtype=dtype, requires_grad=grad)
+                      for _ in range(3)]
+            do_padded = torch.randn(len(lens), H, longest, D, device=device, dtype=dtype)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            providers = {"tritonformer": lambda: attention(q, k, v, **kw)}
+            if not runtime.INTERPRET:
+                def run_sdpa():
+                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                        return sdpa(*padded, is_causal=True)
+                providers["sdpa-flash-padded"] = run_sdpa
+            if mode == "fwd":
+                def ref():
+                    return attention_reference(q.float(), k.float(), v.float(), **kw)
+                return Bench(providers, reference=ref)
+            return Bench({"tritonformer": lambda: torch.autograd.grad(providers["tritonformer"](), (q, k, v), do),
+                          **({} if runtime.INTERPRET else {"sdpa-flash-padded": lambda: torch.autograd.grad(
+                              providers["sdpa-flash-padded"](), padded, do_padded)})})
+
+        flops = sum(_attention_flops(1, H, n, D, True) for n in lens)
+        flops = flops if mode == "fwd" else int(flops * 3.5)
+        title = "forward" if mode == "fwd" else "forward+backward"
+        cases.append(BenchCase("attention", mode, dtype, f"varlen8x{sum(lens)}xH{H}xD{D}-causal", sum(lens), setup,
+                               flops=flops, plot=f"{title} varlen causal bf16", compare="norm"))
     return cases
 
 
