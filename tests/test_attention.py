@@ -182,22 +182,34 @@ def test_bad_input_is_named(make, error, match, device):
         tf.attention(**make(device))
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 256)])
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256),
+                                     (torch.float32, 64), (torch.float32, 256)])
 def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
+    """Pruned to shared memory, and in 16-bit dtypes to the configs that compile without register
+    spills at that head dim (_SPILL_FREE_UP_TO, from scripts/compile_check.py)."""
     from tritonformer import runtime
     from tritonformer.ops import attention as attention_op
 
     monkeypatch.setattr(runtime, "INTERPRET", False)
     args = {"q_ptr": torch.empty(1, dtype=dtype)}
     block_d = max(16, D)
-    for configs, prune in ((attention_op._fwd_configs(), attention_op._prune_fwd),
-                           (attention_op._bwd_configs(), attention_op._prune_dkdv),
-                           (attention_op._bwd_configs(), attention_op._prune_dq)):
+    limits = attention_op._SPILL_FREE_UP_TO
+    for name, configs, prune in (("fwd", attention_op._fwd_configs(), attention_op._prune_fwd),
+                                 ("dkdv", attention_op._bwd_configs(), attention_op._prune_dkdv),
+                                 ("dq", attention_op._bwd_configs(), attention_op._prune_dq)):
         kept = prune(configs, args, BLOCK_D=block_d)
         assert kept and all(c in configs for c in kept)
         assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
+
+        def limit(c):
+            return limits.get((name, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), 1 << 30)
+
+        if dtype != torch.float32:
+            assert all(limit(c) >= block_d for c in kept), name
         if D == 64 and dtype == torch.bfloat16:
-            assert len(kept) == len(configs)
+            assert kept == [c for c in configs if limit(c) >= 64]
+        if D == 64 and dtype == torch.float32 and name == "dkdv":
+            assert any(limit(c) < 64 for c in kept)  # fp32 is not limited by the spill table
 
 
 # ---- packed variable-length batches (cu_seqlens) ----

@@ -83,32 +83,64 @@ def _bwd_configs():
         cfg(128, 32, 4, 3),
         cfg(128, 64, 8, 2),
         cfg(32, 64, 4, 3),
+        # Clean (no spills) for the dK/dV kernel at head dims 96-256, where the above spill.
+        cfg(64, 32, 8, 2),
+        cfg(32, 32, 8, 2),
+        cfg(32, 64, 8, 2),
     ]
 
 
-def _smem_fits(configs, named_args, kwargs, tile_rows):
+# Largest head dim (BLOCK_D) at which a config compiles for sm_90 without register spills in
+# 16-bit dtypes (scripts/compile_check.py, Triton 3.6); configs not listed are clean at every
+# head dim that their shared memory allows. (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages)
+# -> max BLOCK_D, 0 for configs that spill at every head dim. float32 (tf32 or ieee dots)
+# spills in nearly every config and is not limited here: it is the precision path, not the
+# fast one.
+_SPILL_FREE_UP_TO = {
+    ("fwd", 128, 64, 4, 3): 64,     # 384-412 B of spills at D 96/128
+    ("fwd", 128, 32, 4, 4): 128,    # 3.3 KB at D 256
+    ("fwd", 64, 32, 4, 3): 128,     # 32 B at D 256
+    ("dkdv", 32, 128, 4, 3): 32,    # 308 B at D 64, 1.7 KB at D 96/128
+    ("dkdv", 32, 128, 8, 2): 128,   # 2.1 KB at D 256
+    ("dkdv", 64, 64, 4, 3): 32,     # 96 B at D 64, 730 B at D 96/128
+    ("dkdv", 64, 128, 8, 2): 64,    # 228 B at D 96/128
+    ("dkdv", 128, 32, 4, 3): 0,     # 64 B at D 32/64
+    ("dkdv", 128, 64, 8, 2): 0,     # 260-760 B at D 32-128
+    ("dkdv", 32, 64, 4, 3): 64,     # 228 B at D 96/128, 2.1 KB at D 256
+    ("dkdv", 32, 64, 8, 2): 128,    # 32 B at D 256
+    ("dq", 128, 32, 4, 3): 64,      # 148 B at D 96/128
+}
+
+
+def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
     """Keep configs whose tiles fit the H100's 227 KiB of shared memory (with some slack);
-    `tile_rows(bm, bn, stages)` counts the BLOCK_D-wide rows held, pipelined ones per stage."""
+    `tile_rows(bm, bn, stages)` counts the BLOCK_D-wide rows held, pipelined ones per stage.
+    In 16-bit dtypes, also drop the configs that spill registers at this head dim
+    (_SPILL_FREE_UP_TO), unless that would leave none."""
     block_d, elt = kwargs["BLOCK_D"], named_args["q_ptr"].element_size()
     kept = [c for c in configs
             if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
             <= 200 * 1024]
+    if elt == 2:
+        clean = [c for c in kept if block_d <= _SPILL_FREE_UP_TO.get(
+            (kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), block_d)]
+        kept = clean or kept
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 def _prune_fwd(configs, named_args, **kwargs):
     # Q stays resident; K and V blocks are pipelined.
-    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: bm + 2 * bn * stages)
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: bm + 2 * bn * stages, "fwd")
 
 
 def _prune_dkdv(configs, named_args, **kwargs):
     # K and V stay resident; Q and dO blocks are pipelined.
-    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bn + 2 * bm * stages)
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bn + 2 * bm * stages, "dkdv")
 
 
 def _prune_dq(configs, named_args, **kwargs):
     # Q and dO stay resident; K and V blocks are pipelined.
-    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bm + 2 * bn * stages)
+    return _smem_fits(configs, named_args, kwargs, lambda bm, bn, stages: 2 * bm + 2 * bn * stages, "dq")
 
 
 @triton.jit
