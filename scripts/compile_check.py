@@ -234,7 +234,7 @@ def fmt_row(r):
     head = (f"{r['kernel']:5} {r['config']:16} D={r['D']:<3} {r['dtype']:4} c{r['causal']} v{r['varlen']}"
             f"{' w1' if r['window'] else ''}")
     if r["status"] == "pruned":
-        return f"{head}  pruned (op's smem estimate)"
+        return f"{head}  pruned by the op (smem estimate or spill table)"
     if r["status"] == "FAIL":
         return f"{head}  FAIL  {r['error']}"
     spill = f"spill {r['spill_stores']}/{r['spill_loads']} B" if r["spill_stores"] or r["spill_loads"] else "no spill"
