@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU test suite, then the benchmark. Logs and results go under $OUT.
 # Usage (on the device machine, repo root): bash scripts/gpu_check.sh [bench args...]
+# Environment: SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; PYTEST_ARGS picks tests (default: all);
+# TEST_TIMEOUT caps the test part in seconds, so that the bench still runs within one device call.
 set -uo pipefail
 OUT=${OUT:-/tmp/tritonformer-gpu}
 mkdir -p "$OUT"
@@ -12,7 +14,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-0}" python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m tritonformer bench --out "$OUT/${BENCH_DIR:-bench}" "$@" 2>&1 | tee "$OUT/${BENCH_DIR:-bench}.log" | tail -60
