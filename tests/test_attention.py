@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tritonformer as tf
+import tritonformer.nn  # noqa: F401 - tf.nn below
 from tritonformer.ops.attention import attention_reference
 from tritonformer.testing import assert_close
 
@@ -38,7 +39,7 @@ def test_causal_mask_is_aligned_bottom_right(S_q, S_k, device):
     o = tf.attention(q, k, v, causal=True)[0, 0, :, :S_k]
     for i in range(S_q):
         allowed = [j for j in range(S_k) if j <= i + S_k - S_q]
-        expected = torch.zeros(S_k, dtype=torch.float64)
+        expected = torch.zeros(S_k, dtype=torch.float64, device=device)
         if allowed:
             expected[allowed] = 1.0 / len(allowed)
         assert_close(o[i], expected, torch.float32)
@@ -89,7 +90,7 @@ def test_lse_is_logsumexp_of_the_scores(dtype, device):
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, 19)
     kd = k.double().repeat_interleave(2, dim=1)
     scores = (q.double() @ kd.transpose(-1, -2)) * 0.3
-    i, j = torch.arange(19)[:, None], torch.arange(33)[None, :]
+    i, j = torch.arange(19, device=device)[:, None], torch.arange(33, device=device)[None, :]
     scores = scores.masked_fill(j > i + 33 - 19, -math.inf)
     assert_close(lse, torch.logsumexp(scores, -1), torch.float32)
 
@@ -171,8 +172,9 @@ def _bad(**changes):
          "q has head_dim 16"),
         (_bad(k=lambda t: t.expand(2, -1, -1, -1), v=lambda t: t.expand(2, -1, -1, -1)), ValueError, "k has batch 2"),
         (_bad(causal=1), TypeError, "causal must be a bool"),
-        (_bad(scale=float("nan")), ValueError, "scale must be a finite float"),
-        (_bad(scale="1"), ValueError, "scale must be a finite float"),
+        (_bad(scale=float("nan")), ValueError, "scale must be a positive finite float"),
+        (_bad(scale="1"), ValueError, "scale must be a positive finite float"),
+        (_bad(scale=-0.5), ValueError, "scale must be a positive finite float"),
         (_bad(window=-1), ValueError, "window must be None or a non-negative int"),
         (_bad(window=(3,)), ValueError, "window must be None or a non-negative int"),
     ],
@@ -186,7 +188,7 @@ def test_bad_input_is_named(make, error, match, device):
                                      (torch.float32, 64), (torch.float32, 256)])
 def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
     """Pruned to shared memory, and in 16-bit dtypes to the configs that compile without register
-    spills at that head dim (_SPILL_FREE_UP_TO, from scripts/compile_check.py)."""
+    spills at that head dim (_SPILL_FREE_UP_TO, from scripts/compile_check.py); fp32 to one."""
     from tritonformer import runtime
     from tritonformer.ops import attention as attention_op
 
@@ -195,8 +197,8 @@ def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
     block_d = max(16, D)
     limits = attention_op._SPILL_FREE_UP_TO
     for name, configs, prune in (("fwd", attention_op._fwd_configs(), attention_op._prune_fwd),
-                                 ("dkdv", attention_op._bwd_configs(), attention_op._prune_dkdv),
-                                 ("dq", attention_op._bwd_configs(), attention_op._prune_dq)):
+                                 ("dkdv", attention_op._dkdv_configs(), attention_op._prune_dkdv),
+                                 ("dq", attention_op._dq_configs(), attention_op._prune_dq)):
         kept = prune(configs, args, BLOCK_D=block_d)
         assert kept and all(c in configs for c in kept)
         assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
@@ -208,8 +210,10 @@ def test_gpu_configs_are_pruned_to_shared_memory(dtype, D, monkeypatch):
             assert all(limit(c) >= block_d for c in kept), name
         if D == 64 and dtype == torch.bfloat16:
             assert kept == [c for c in configs if limit(c) >= 64]
-        if D == 64 and dtype == torch.float32 and name == "dkdv":
-            assert any(limit(c) < 64 for c in kept)  # fp32 is not limited by the spill table
+        if dtype == torch.float32:
+            # One config, the smallest tiles: fp32 is the precision path.
+            area = min(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in configs)
+            assert len(kept) == 1 and kept[0].kwargs["BLOCK_M"] * kept[0].kwargs["BLOCK_N"] == area
 
 
 # ---- packed variable-length batches (cu_seqlens) ----
@@ -298,6 +302,14 @@ def test_varlen_compiles_forward_and_backward_without_graph_break(device):
         assert_close(g, r, torch.float32, compare="norm")
 
 
+def test_varlen_values_are_checked_again_after_an_in_place_change(device):
+    (q, k, v), kw = _packed(device, [3, 5], [4, 6])
+    tf.attention(q, k, v, **kw)
+    kw["cu_seqlens_q"][-1] += 1
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] is 9 but q has 8 rows"):
+        tf.attention(q, k, v, **kw)
+
+
 def _bad_varlen(**changes):
     def make(device):
         (q, k, v), kw = _packed(device, [3, 5], [4, 6])
@@ -317,13 +329,13 @@ def _bad_varlen(**changes):
         (_bad_varlen(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
         (_bad_varlen(cu_seqlens_q=lambda t: t.to("meta")), ValueError, "cu_seqlens_q is on meta"),
         (_bad_varlen(cu_seqlens_k=lambda t: t[:2]), ValueError, "batch sizes differ"),
-        (_bad_varlen(cu_seqlens_q=lambda t: t - 0 + torch.tensor([0, 0, 1], dtype=torch.int32)), ValueError,
+        (_bad_varlen(cu_seqlens_q=lambda t: t + torch.tensor([0, 0, 1], dtype=torch.int32, device=t.device)), ValueError,
          r"cu_seqlens_q\[-1\] is 9 but q has 8 rows"),
-        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([0, 7, 10], dtype=torch.int32)), ValueError,
+        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([0, 7, 10], dtype=torch.int32, device=t.device)), ValueError,
          r"cu_seqlens_k\[-1\] is 10 but k has 10 rows|max_seqlen_k is 6"),
-        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError,
+        (_bad_varlen(cu_seqlens_k=lambda t: torch.tensor([1, 4, 10], dtype=torch.int32, device=t.device)), ValueError,
          "cu_seqlens_k must start at 0 and not decrease"),
-        (_bad_varlen(cu_seqlens_q=lambda t: torch.tensor([0, 9, 8], dtype=torch.int32)), ValueError,
+        (_bad_varlen(cu_seqlens_q=lambda t: torch.tensor([0, 9, 8], dtype=torch.int32, device=t.device)), ValueError,
          "cu_seqlens_q must start at 0 and not decrease"),
         (_bad_varlen(max_seqlen_q=4), ValueError, "max_seqlen_q is 4 but a sequence of cu_seqlens_q has 5 rows"),
         (_bad_varlen(max_seqlen_k=None), ValueError, "max_seqlen_k must be a non-negative int"),
@@ -340,3 +352,100 @@ def test_max_seqlen_without_cu_seqlens_is_an_error(device):
     q, k, v = _qkv(device, grad=False)
     with pytest.raises(ValueError, match="max_seqlen_q is given without cu_seqlens"):
         tf.attention(q, k, v, max_seqlen_q=17)
+
+
+# ---- HuggingFace's attention interface (tritonformer.nn.attention_forward) ----
+
+class _HFAttentionModule(torch.nn.Module):
+    def __init__(self, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+@pytest.mark.parametrize("is_causal,kwargs", [(True, {}), (False, {}), (True, {"is_causal": False})])
+def test_hf_interface_returns_batch_seq_heads_dim(is_causal, kwargs, device):
+    q, k, v = _qkv(device, B=2, H=4, H_kv=2, S_q=9, S_k=13, grad=False)
+    out, weights = tf.nn.attention_forward(_HFAttentionModule(is_causal), q, k, v, None, scaling=0.2, **kwargs)
+    causal = kwargs.get("is_causal", is_causal)
+    expected = attention_reference(q.double(), k.double(), v.double(), causal=causal, scale=0.2)
+    assert weights is None and out.shape == (2, 9, 4, 32)
+    assert_close(out, expected.transpose(1, 2), torch.float32)
+
+
+def test_hf_interface_sliding_window_counts_the_query_itself(device):
+    q, k, v = _qkv(device, S_q=20, grad=False)
+    out, _ = tf.nn.attention_forward(_HFAttentionModule(), q, k, v, None, sliding_window=4)
+    expected = attention_reference(q.double(), k.double(), v.double(), causal=True, window=3)
+    assert_close(out, expected.transpose(1, 2), torch.float32)
+
+
+def test_hf_interface_packed_batch_runs_varlen(device):
+    lens = [5, 1, 11]
+    (q, k, v), kw = _packed(device, lens, lens)
+    hf_kwargs = dict(cu_seq_lens_q=kw["cu_seqlens_q"], cu_seq_lens_k=kw["cu_seqlens_k"],
+                     max_length_q=kw["max_seqlen_q"], max_length_k=kw["max_seqlen_k"])
+    as_hf = [t.detach().transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, total, D)
+    out, _ = tf.nn.attention_forward(_HFAttentionModule(), *as_hf, None, **hf_kwargs)
+    expected = tf.attention(q.detach(), k.detach(), v.detach(), causal=True, **kw)
+    assert out.shape == (1, sum(lens), 4, 32)
+    assert torch.equal(out[0], expected)
+
+
+def test_hf_interface_padding_mask_goes_through_sdpa(device):
+    q, k, v = _qkv(device, B=2, H=2, S_q=6, grad=False)
+    keep = torch.ones(2, 6, dtype=torch.bool, device=device)
+    keep[1, :2] = False  # left padding of the second sequence
+    mask = torch.ones(6, 6, dtype=torch.bool, device=device).tril()[None, None] & keep[:, None, None, :]
+    mask[1, :, :2] = True  # padded queries attend something, as HF's masks arrange
+    out, _ = tf.nn.attention_forward(_HFAttentionModule(), q, k, v, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert_close(out, expected.transpose(1, 2), torch.float32)
+
+
+def test_hf_interface_rejects_dropout(device):
+    q, k, v = _qkv(device, grad=False)
+    with pytest.raises(ValueError, match="dropout=0.1 is not supported"):
+        tf.nn.attention_forward(_HFAttentionModule(), q, k, v, None, dropout=0.1)
+
+
+class _AlwaysChosen(dict):
+    """A TunedLauncher's `chosen` table that answers one config for every key."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def get(self, key, default=None):
+        return self.config
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_every_gpu_config_matches_the_reference(kernel, D, device):
+    """Autotuning checks only the winner at the test shapes: force each pruned config in turn."""
+    if device == "cpu":
+        pytest.skip("the interpreter has a single config")
+    from tritonformer.ops import attention as attention_op
+
+    launcher, configs, prune = {
+        "fwd": (attention_op._launch_fwd, attention_op._fwd_configs(), attention_op._prune_fwd),
+        "dkdv": (attention_op._launch_dkdv, attention_op._dkdv_configs(), attention_op._prune_dkdv),
+        "dq": (attention_op._launch_dq, attention_op._dq_configs(), attention_op._prune_dq),
+    }[kernel]
+    q, k, v = _qkv(device, B=2, H=4, H_kv=2, S_q=300, S_k=333, D=D, dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    leaves = _double_leaves(q, k, v)
+    ref = attention_reference(*leaves, causal=True, window=200)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    kept = prune(configs, {"q_ptr": q}, BLOCK_D=D)
+    assert kept
+    saved = launcher.chosen
+    try:
+        for config in kept:
+            launcher.chosen = _AlwaysChosen(config.all_kwargs())
+            o = tf.attention(q, k, v, causal=True, window=200)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            for got, want in zip((o, *grads), (ref, *ref_grads)):
+                assert_close(got, want, torch.bfloat16, compare="norm")
+    finally:
+        launcher.chosen = saved

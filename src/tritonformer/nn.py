@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
@@ -132,3 +133,41 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}")
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """HuggingFace's attention interface, for `AttentionInterface.register("tritonformer",
+    attention_forward)` and `attn_implementation="tritonformer"`.
+
+    query (B, H, S_q, D), key and value (B, H_kv, S_k, D) as the model hands them over (grouped
+    heads not repeated). Returns the output as (B, S_q, H, D) and no attention weights, as HF's
+    SDPA path does. Causal unless `is_causal=False` comes in kwargs or module.is_causal is False;
+    the mask is aligned bottom-right, so decoding against a KV cache (S_q < S_k) is right.
+    `sliding_window=w` lets a query see itself and the w - 1 keys before it (HF's convention).
+    A packed batch (batch 1 with cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, as
+    HF's flattening collator gives) runs the variable-length kernels. An attention_mask (padding)
+    is honoured through torch's SDPA with that mask: correct, but not our kernel; pack the batch
+    instead for speed. Dropout is not supported."""
+    if dropout:
+        raise ValueError(f"attention_forward: dropout={dropout} is not supported (only 0.0)")
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    window = None if sliding_window is None else sliding_window - 1
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None:
+        if query.shape[0] != 1:
+            raise ValueError(f"attention_forward: a packed batch (cu_seq_lens_q) must have batch 1, got {query.shape[0]}")
+        max_q, max_k = (int(kwargs[name]) for name in ("max_length_q", "max_length_k"))
+        out = attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), causal,
+                        scaling, window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        return out[None], None
+    if attention_mask is not None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask[:, :, :, :key.shape[-2]], scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])
+    else:
+        out = attention(query, key, value, causal, scaling, window)
+    return out.transpose(1, 2), None

@@ -46,86 +46,95 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = -1
 
 
+def _config(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
+_INTERPRETER_CONFIGS = [_config(16, 16, 4, 1)]
+
+
 def _fwd_configs():
-    def cfg(bm, bn, warps, stages):
-        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
+    """The forward's BLOCK_M query rows x BLOCK_N keys. The lists below keep the configs that won
+    or came close at some head dim in scripts/sweep_attention.py on the H100 (bf16), and the
+    small tiles that head dim 256 needs."""
     if runtime.INTERPRET:
-        # The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
-        return [cfg(16, 16, 4, 1)]
+        return _INTERPRETER_CONFIGS
     return [
-        cfg(128, 64, 4, 3),
-        cfg(128, 64, 8, 3),
-        cfg(128, 128, 8, 2),
-        cfg(128, 128, 8, 3),
-        cfg(128, 32, 4, 4),
-        cfg(64, 64, 4, 4),
-        cfg(64, 32, 4, 3),
+        _config(128, 64, 8, 3),     # D 64 and 128 (S 4096)
+        _config(128, 64, 8, 4),     # D 128 (S 16384)
+        _config(128, 64, 4, 3),
+        _config(128, 128, 8, 2),
+        _config(64, 64, 4, 4),
+        _config(64, 32, 4, 3),
         # Head dim 256: a 64-row fp32 accumulator over 8 warps (64 registers a thread).
-        cfg(64, 64, 8, 2),
+        _config(64, 64, 8, 2),
     ]
 
 
-def _bwd_configs():
-    """BLOCK_M x BLOCK_N tiles of the score matrix for both backward kernels; the dK/dV kernel
-    keeps BLOCK_N keys resident and streams query blocks, the dQ kernel the other way round."""
-
-    def cfg(bm, bn, warps, stages):
-        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
+def _dkdv_configs():
+    """The dK/dV kernel keeps BLOCK_N keys resident and streams BLOCK_M query rows."""
     if runtime.INTERPRET:
-        return [cfg(16, 16, 4, 1)]
+        return _INTERPRETER_CONFIGS
     return [
-        cfg(32, 128, 4, 3),
-        cfg(32, 128, 8, 2),
-        cfg(64, 64, 4, 3),
-        cfg(64, 128, 8, 2),
-        cfg(128, 32, 4, 3),
-        cfg(128, 64, 8, 2),
-        cfg(32, 64, 4, 3),
-        # Clean (no spills) for the dK/dV kernel at head dims 96-256, where the above spill.
-        cfg(64, 32, 8, 2),
-        cfg(32, 32, 8, 2),
-        cfg(32, 64, 8, 2),
+        _config(64, 128, 8, 2),     # D 128
+        _config(32, 128, 8, 3),
+        _config(32, 128, 8, 2),
+        _config(32, 64, 4, 3),      # D 64
+        # Small tiles for head dim 256, where the larger ones spill or do not fit.
+        _config(64, 32, 8, 2),
+        _config(32, 32, 8, 2),
+        _config(32, 64, 8, 2),
     ]
 
 
-# Largest head dim (BLOCK_D) at which a config compiles for sm_90 without register spills in
-# 16-bit dtypes (scripts/compile_check.py, Triton 3.6); configs not listed are clean at every
-# head dim that their shared memory allows. (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages)
-# -> max BLOCK_D, 0 for configs that spill at every head dim. float32 (tf32 or ieee dots)
-# spills in nearly every config and is not limited here: it is the precision path, not the
-# fast one.
+def _dq_configs():
+    """The dQ kernel keeps BLOCK_M query rows resident and streams BLOCK_N keys."""
+    if runtime.INTERPRET:
+        return _INTERPRETER_CONFIGS
+    return [
+        _config(128, 64, 8, 3),     # D 128
+        _config(128, 64, 8, 2),
+        _config(128, 128, 8, 2),
+        _config(64, 64, 4, 3),      # D 64
+        _config(64, 64, 4, 2),
+        _config(128, 32, 4, 3),
+        # Small tiles for head dim 256.
+        _config(64, 32, 8, 2),
+        _config(32, 64, 8, 2),
+    ]
+
+
+# Largest head dim (BLOCK_D) at which a config compiles for sm_90 with at most 512 bytes of
+# register spills in 16-bit dtypes (scripts/compile_check.py, Triton 3.6); configs not listed
+# stay under that at every head dim that their shared memory allows. The budget is not zero
+# because a few hundred bytes cost little: dK/dV's 64x128 tile spills about 300 B at D 128 and
+# is still its fastest config there (scripts/sweep_attention.py). (kernel, BLOCK_M, BLOCK_N,
+# num_warps, num_stages) -> max BLOCK_D, 0 for configs over budget at every head dim. float32
+# (tf32 or ieee dots) gets one config (below): it is the precision path, not the fast one.
 _SPILL_FREE_UP_TO = {
-    ("fwd", 128, 64, 4, 3): 64,     # 384-412 B of spills at D 96/128
-    ("fwd", 128, 32, 4, 4): 128,    # 3.3 KB at D 256
-    ("fwd", 64, 32, 4, 3): 128,     # 32 B at D 256
-    ("dkdv", 32, 128, 4, 3): 32,    # 308 B at D 64, 1.7 KB at D 96/128
-    ("dkdv", 32, 128, 8, 2): 128,   # 2.1 KB at D 256
-    ("dkdv", 64, 64, 4, 3): 32,     # 96 B at D 64, 730 B at D 96/128
-    ("dkdv", 64, 128, 8, 2): 64,    # 228 B at D 96/128
-    ("dkdv", 128, 32, 4, 3): 0,     # 64 B at D 32/64
-    ("dkdv", 128, 64, 8, 2): 0,     # 260-760 B at D 32-128
-    ("dkdv", 32, 64, 4, 3): 64,     # 228 B at D 96/128, 2.1 KB at D 256
-    ("dkdv", 32, 64, 8, 2): 128,    # 32 B at D 256
-    ("dq", 128, 32, 4, 3): 64,      # 148 B at D 96/128
+    ("dkdv", 32, 128, 8, 2): 128,   # 4.2 KB at D 256
+    ("dkdv", 32, 64, 4, 3): 128,    # 4.6 KB at D 256
 }
 
 
 def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
     """Keep configs whose tiles fit the H100's 227 KiB of shared memory (with some slack);
     `tile_rows(bm, bn, stages)` counts the BLOCK_D-wide rows held, pipelined ones per stage.
-    In 16-bit dtypes, also drop the configs that spill registers at this head dim
-    (_SPILL_FREE_UP_TO), unless that would leave none."""
+    In 16-bit dtypes, also drop the configs that spill too many registers at this head dim
+    (_SPILL_FREE_UP_TO), unless that would leave none; float32 gets the smallest tiles only."""
     block_d, elt = kwargs["BLOCK_D"], named_args["q_ptr"].element_size()
     kept = [c for c in configs
             if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
             <= 200 * 1024]
-    if elt == 2:
-        clean = [c for c in kept if block_d <= _SPILL_FREE_UP_TO.get(
-            (kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), block_d)]
-        kept = clean or kept
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    smallest = min(kept or configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+    if elt == 4:
+        # float32 is the precision path: one config (the smallest tiles, the fewest spills)
+        # rather than compiling and timing a list in which nearly every config spills.
+        return [smallest]
+    clean = [c for c in kept if block_d <= _SPILL_FREE_UP_TO.get(
+        (kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), block_d)]
+    return clean or kept or [smallest]
 
 
 def _prune_fwd(configs, named_args, **kwargs):
@@ -188,39 +197,125 @@ def _unmasked_range(start_m, lo, hi, S_k, shift, window_left,
 
 
 @triton.jit
+def _unmasked_query_range(start_n, lo, hi, len_q, len_k, shift, window_left,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[mid_lo, mid_hi) within [lo, hi), multiples of BLOCK_M as lo is, unless empty at hi: the
+    query blocks that attend every key of the key block [start_n, start_n + BLOCK_N)."""
+    mid_lo = lo
+    if CAUSAL:
+        # The block's last key is seen by queries >= start_n + BLOCK_N - 1 - shift.
+        first = tl.maximum(start_n + BLOCK_N - 1 - shift, 0)
+        mid_lo = tl.maximum(mid_lo, (first + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    mid_hi = len_q // BLOCK_M * BLOCK_M
+    if WINDOW:
+        # The block's first key is seen by queries <= start_n - shift + left.
+        mid_hi = tl.minimum(mid_hi, tl.maximum(start_n - shift + window_left + 1, 0) // BLOCK_M * BLOCK_M)
+    if start_n + BLOCK_N > len_k:
+        # A key block cut by the end of the keys needs its mask everywhere.
+        mid_hi = mid_lo
+    mid_lo = tl.minimum(mid_lo, hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return mid_lo, mid_hi
+
+
+@triton.jit
+def _load_tile(base, offs_r, offs_d, stride_r, stride_d, n_rows, ROWS_MASKED: tl.constexpr,
+               UPCAST: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile, zero past n_rows (when ROWS_MASKED) and past HEAD_D; without a
+    mask where neither applies, so that full tiles load unpredicated."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :] * stride_d
+    if ROWS_MASKED:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_D), other=0.0)
+    elif BLOCK_D != HEAD_D:
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_D, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                 offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, hi,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Online-softmax update of (acc, l, m) over the key blocks [lo, hi) (base-2 logits)."""
-    d_ok = offs_d[None, :] < HEAD_D
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASK:
-            kv_mask = (offs_n[:, None] < S_k) & d_ok
-        else:
-            kv_mask = d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, S_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, S_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK:
             ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
-            s = tl.where(ok, s, -float("inf"))
+            s = tl.where(ok, qk * qk_scale, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
             m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp2(s - m_sub[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # qk_scale > 0, so the row max scales with it, and the scale folds into one FMA.
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
             m_sub = m_new
-        p = tl.exp2(s - m_sub[:, None])
+            p = tl.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd, stride_dos, stride_dod,
+                 offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
+                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dK, dV of one key block accumulated over the query blocks [lo, hi) of one query head, on
+    transposed scores (keys along rows)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, MASK, UPCAST, HEAD_D, BLOCK_D)
+        do = _load_tile(do_base, offs_m, offs_d, stride_dos, stride_dod, len_q, MASK, UPCAST, HEAD_D, BLOCK_D)
+        if MASK:
+            lse2 = tl.load(lse_row + offs_m, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_row + offs_m, mask=offs_m < len_q, other=0.0)
+        else:
+            lse2 = tl.load(lse_row + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_row + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        if MASK:
+            ok = _allowed(offs_m[None, :], offs_n[:, None], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
+            # Rows with no allowed key (lse = -inf) are masked everywhere: where() drops their inf.
+            p_t = tl.where(ok, tl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
+        else:
+            p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+               offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dQ of one query block accumulated over the key blocks [lo, hi), as the forward streams them."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, len_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, len_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if MASK:
+            ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
+            p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        else:
+            p = tl.exp2(qk * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
 
 
 @triton.jit
@@ -276,11 +371,7 @@ def _attention_fwd_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_D
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=(offs_m[:, None] < len_q) & d_ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, True, UPCAST, HEAD_D, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
     shift = len_k - len_q
 
@@ -293,13 +384,13 @@ def _attention_fwd_kernel(
     # diagonal or the end of the keys.
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
-                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
+                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D)
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
 
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
@@ -308,7 +399,7 @@ def _attention_fwd_kernel(
     row_ok = offs_m < len_q
     rows = q_start + offs_m
     o_offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
@@ -340,7 +431,7 @@ def _attention_delta_kernel(
     tl.store(delta_ptr + row_offs, delta, mask=offs_m < S_q)
 
 
-@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
+@runtime.autotune(configs=_dkdv_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_dkdv})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
@@ -369,15 +460,10 @@ def _attention_bwd_dkdv_kernel(
             return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_D
-    kv_mask = (offs_n[:, None] < len_k) & d_ok
-    k = tl.load(k_ptr + b * stride_kb + (k_start + offs_n[:, None]) * stride_ks + hk * stride_kh
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + (k_start + offs_n[:, None]) * stride_vs + hk * stride_vh
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k_base = k_ptr + b * stride_kb + k_start * stride_ks + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + k_start * stride_vs + hk * stride_vh
+    k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, len_k, True, UPCAST, HEAD_D, BLOCK_D)
+    v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, len_k, True, UPCAST, HEAD_D, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
     shift = len_k - len_q
     # Queries that can see this key block: i >= j - shift (causal), i <= j - shift + left (window).
@@ -387,6 +473,8 @@ def _attention_bwd_dkdv_kernel(
     hi = len_q
     if WINDOW:
         hi = tl.minimum(hi, start_n + BLOCK_N - shift + window_left)
+    mid_lo, mid_hi = _unmasked_query_range(start_n, lo, hi, len_q, len_k, shift, window_left,
+                                           BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -394,33 +482,27 @@ def _attention_bwd_dkdv_kernel(
         h = hk * group + g
         q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
         do_base = do_ptr + b * stride_dob + q_start * stride_dos + h * stride_doh
-        row_base = b * stride_lb + h * stride_lh + q_start
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_mask = (offs_m[:, None] < len_q) & d_ok
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                         mask=q_mask, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < len_q, other=0.0)
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < len_q, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-            ok = _allowed(offs_m[None, :], offs_n[:, None], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
-            # Rows with no allowed key (lse = -inf) are masked everywhere: where() drops their inf.
-            p_t = tl.where(ok, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        lse_row = lse_ptr + b * stride_lb + h * stride_lh + q_start
+        delta_row = delta_ptr + b * stride_lb + h * stride_lh + q_start
+        # Query blocks cut by the diagonal, blocks that see the whole key block (no mask), blocks
+        # cut by the window or the end of the queries.
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+                              stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
+                              lo, mid_lo, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+                              stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
+                              mid_lo, mid_hi, False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+                              stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
+                              mid_hi, hi, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
 
     out_offs = b * stride_dkb + hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :]
+    kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_D)
     tl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@runtime.autotune(configs=_bwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
+@runtime.autotune(configs=_dq_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_dq})
 @triton.jit
 def _attention_bwd_dq_kernel(
@@ -454,15 +536,10 @@ def _attention_bwd_dq_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_D
-    q_mask = (offs_m[:, None] < len_q) & d_ok
-    q = tl.load(q_ptr + b * stride_qb + (q_start + offs_m[:, None]) * stride_qs + h * stride_qh
-                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + (q_start + offs_m[:, None]) * stride_dos + h * stride_doh
-                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
+    do_base = do_ptr + b * stride_dob + q_start * stride_dos + h * stride_doh
+    q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, True, UPCAST, HEAD_D, BLOCK_D)
+    do = _load_tile(do_base, offs_m, offs_d, stride_dos, stride_dod, len_q, True, UPCAST, HEAD_D, BLOCK_D)
     row_offs = b * stride_lb + h * stride_lh + q_start + offs_m
     lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + row_offs, mask=offs_m < len_q, other=0.0)
@@ -471,22 +548,19 @@ def _attention_bwd_dq_kernel(
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, hi = _key_range(start_m, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < len_k) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
-        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
+                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
+                    False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
+                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
 
     dq_offs = b * stride_dqb + h * stride_dqh + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :]
+    q_mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_D)
     tl.store(dq_ptr + dq_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -504,9 +578,9 @@ def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dic
 
 
 def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool) -> tuple:
-    if varlen:
-        # max_seqlen changes from batch to batch: tune once per power-of-two bucket.
-        S_q, S_k = triton.next_power_of_2(S_q), triton.next_power_of_2(S_k)
+    # Lengths change from call to call (varlen batches, generation): tune once per power-of-two
+    # bucket, not once per length.
+    S_q, S_k = triton.next_power_of_2(S_q), triton.next_power_of_2(S_k)
     return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen)
 
 
@@ -641,11 +715,33 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+# Per cu_seqlens tensor: (its version counter, [first, last, shortest, longest length]); read
+# once per tensor and in-place version, so that a packed batch's tensor reused by every layer
+# costs one host read (one synchronization on a GPU), not one per call.
+_CU_SEQLENS_FACTS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _cu_seqlens_facts(cu: torch.Tensor) -> list[int]:
+    version = None if cu.is_inference() else cu._version
+    cached = _CU_SEQLENS_FACTS.get(cu)
+    if cached is not None and version is not None and cached[0] == version:
+        return cached[1]
+    lengths = cu.diff()
+    if lengths.numel():
+        facts = torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()
+    else:
+        facts = [cu[0].item(), cu[0].item(), 0, 0]
+    if version is not None:
+        _CU_SEQLENS_FACTS[cu] = (version, facts)
+    return facts
+
+
 def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """Shapes, dtypes and devices always; the values of cu_seqlens only where they live on the
-    CPU (reading them from a GPU would synchronize with it) and not under torch.compile: there
-    they must start at 0, not decrease, end at q's and k's row counts, and fit max_seqlen_q /
-    max_seqlen_k. Otherwise these values are trusted, as flash-attn trusts them."""
+    """Shapes, dtypes and devices, then the values of cu_seqlens: they must start at 0, not
+    decrease, end at q's and k's row counts, and fit max_seqlen_q / max_seqlen_k. The values are
+    read once per cu_seqlens tensor (and per in-place change of it); under torch.compile and
+    during CUDA graph capture they are trusted, as flash-attn trusts them (the graph cannot
+    branch on data)."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
             raise ValueError(f"{name} is None: a packed batch needs both cu_seqlens_q and cu_seqlens_k")
@@ -663,17 +759,15 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{name} must be a non-negative int with cu_seqlens, got {m!r}")
-    if cu_seqlens_q.device.type != "cpu" or torch.compiler.is_compiling():
-        # Under torch.compile the values are data the graph cannot branch on: trusted too.
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     for name, cu, total, m, of in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "q"),
                                    ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "k")):
-        lengths = cu.diff()
-        if cu[0].item() != 0 or (lengths < 0).any():
+        first, last, shortest, longest = _cu_seqlens_facts(cu)
+        if first != 0 or shortest < 0:
             raise ValueError(f"{name} must start at 0 and not decrease, got {cu.tolist()}")
-        if cu[-1].item() != total:
-            raise ValueError(f"{name}[-1] is {cu[-1].item()} but {of} has {total} rows (shape[0])")
-        longest = int(lengths.max()) if lengths.numel() else 0
+        if last != total:
+            raise ValueError(f"{name}[-1] is {last} but {of} has {total} rows (shape[0])")
         if longest > m:
             raise ValueError(f"max_seqlen_{of} is {m} but a sequence of cu_seqlens_{of} has {longest} rows")
 
@@ -709,8 +803,9 @@ def _check_inputs(q, k, v, causal, scale, window, varlen=False) -> tuple[float, 
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        # The kernels take a row's max before scaling (the scale folds into the exponent's FMA).
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
     if window is None:
         window = NO_WINDOW
     elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -724,7 +819,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               max_seqlen_k: int | None = None):
     """Softmax attention of q (B, H, S_q, D) over k, v (B, H_kv, S_k, D); H % H_kv == 0.
 
-    scale defaults to 1/sqrt(D). causal masks keys j > i + S_k - S_q (bottom-right aligned);
+    scale (positive) defaults to 1/sqrt(D). causal masks keys j > i + S_k - S_q (bottom-right aligned);
     window=left also masks keys j < i + S_k - S_q - left. Rows with no allowed key give 0 and
     lse = -inf. Returns O (B, H, S_q, D), and with return_lse also lse (B, H, S_q) in float32
     (natural log), which is differentiable too.
@@ -735,10 +830,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     against rows cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v, with causal and window aligned per
     sequence (S_q, S_k above being that sequence's lengths; lengths 0 allowed). max_seqlen_q and
     max_seqlen_k (ints, required) bound the lengths. O is (total_q, H, D) and lse (H, total_q),
-    flash-attn's varlen layout. The values of cu_seqlens and max_seqlen are checked only when
-    cu_seqlens is on the CPU and not under torch.compile; on a GPU they are trusted (checking
-    would synchronize), and a max_seqlen below a real length silently leaves that sequence's
-    later rows unwritten."""
+    flash-attn's varlen layout. The values of cu_seqlens and max_seqlen are checked, reading
+    each cu_seqlens tensor once (one synchronization on a GPU, then cached until the tensor
+    changes in place); under torch.compile and CUDA graph capture they are trusted, and there a
+    max_seqlen below a real length silently leaves that sequence's later rows unwritten."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     scale, window = _check_inputs(q, k, v, causal, scale, window, varlen)
     if varlen:
