@@ -77,10 +77,11 @@ def _dkdv_configs():
     if runtime.INTERPRET:
         return _INTERPRETER_CONFIGS
     return [
-        _config(64, 128, 8, 2),     # D 128
+        _config(64, 128, 8, 3),     # D 128
+        _config(64, 128, 8, 2),
         _config(32, 128, 8, 3),
         _config(32, 128, 8, 2),
-        _config(32, 64, 4, 3),      # D 64
+        _config(32, 64, 4, 3),      # D 64, and D 128 causal
         # Small tiles for head dim 256, where the larger ones spill or do not fit.
         _config(64, 32, 8, 2),
         _config(32, 32, 8, 2),
