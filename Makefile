@@ -10,7 +10,7 @@ PYTEST_WORKERS ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,bench]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,bench,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,6 +27,15 @@ DEVICE: str = "cpu" if INTERPRET else "cuda"
 POISON: bool = os.environ.get("TRITONFORMER_POISON", "0") == "1"
 
 if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.sum, InterpretedFunction):
+        # triton.language's own jit functions were made before TRITON_INTERPRET was set: kernels
+        # would fail inside the interpreter with "Cannot call @triton.jit'd outside of the scope".
+        raise ImportError(
+            "tritonformer: no CUDA GPU, and triton was imported before TRITON_INTERPRET=1 was set (by "
+            "another import, e.g. transformers). Import tritonformer first, or set TRITON_INTERPRET=1 "
+            "in the environment.")
     warnings.warn(
         "tritonformer: no CUDA GPU, kernels run under Triton's CPU interpreter (correct results, not GPU speed)",
         RuntimeWarning,

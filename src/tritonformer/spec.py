@@ -27,6 +27,7 @@ class TestCase:
     compare: str | None = None  # the op's `compare` unless set
     # Gradients may be off by this many times PyTorch's own error in the same dtype.
     grad_floor: float = 2.0
+    out_dtype: torch.dtype | None = None  # the outputs' dtype where it is not `dtype`
 
 
 @dataclass(frozen=True)

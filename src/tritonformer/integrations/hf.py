@@ -1,0 +1,321 @@
+"""HuggingFace transformers integration: tritonformer's kernels in Llama-family models.
+
+    from tritonformer.integrations import hf
+    model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
+    hf.patch(model)      # this model: norms, MLPs, rope, attention, loss
+    hf.unpatch(model)    # back to HuggingFace's code
+
+    hf.patch_llama()     # before creation: every Llama model made afterwards (also patch_mistral,
+                         # patch_qwen2, patch_qwen3, patch_gemma); pass
+                         # attn_implementation="tritonformer" when creating it for the attention
+
+What is swapped, per family (FAMILIES):
+- RMSNorm: `rms_norm` (HF's rounding exactly; Gemma's (1 + weight) through offset=1);
+- the MLP: `swiglu_mlp` when gate/up/down are plain bias-free nn.Linear and autocast is off
+  (one fused backward that keeps x, gate(x), up(x)); otherwise the projections run as modules
+  (so LoRA adapters on them train, and autocast casts them) with `swiglu` between. Gemma's
+  GeGLU MLP is left to HuggingFace;
+- rotary embeddings: the modeling module's `apply_rotary_pos_emb` becomes `apply_rope` (a
+  module-level function, so it is every model of that family in the process that gets it,
+  while the family is patched or a patched model of it is alive);
+- attention: `nn.attention_forward`, registered as "tritonformer" in HF's AttentionInterface
+  with SDPA's mask builder (so no mask is made for plain causal batches, and padding masks
+  still reach it: they go through torch's SDPA);
+- the loss: in training, with labels, and with a plain nn.Linear lm_head, the ForCausalLM
+  forward computes `fused_linear_cross_entropy` from the last hidden states and returns
+  logits=None (the (tokens, vocab) logits are never made); otherwise it returns logits as
+  HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
+  with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
+  is, the unfused one (eval, LoRA on lm_head) in the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+import weakref
+
+import torch
+
+from ..nn import attention_forward
+from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from ..ops.norm import rms_norm
+from ..ops.rope import apply_rope
+from ..ops.swiglu import swiglu, swiglu_mlp
+
+ATTENTION_NAME = "tritonformer"
+IGNORE_INDEX = -100
+
+
+class Family:
+    """Where one model family's pieces live in transformers."""
+
+    def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
+                 swiglu_mlp: bool = True):
+        self.name, self.prefix = name, prefix
+        self.norm_eps, self.norm_offset, self.swiglu_mlp = norm_eps, norm_offset, swiglu_mlp
+
+    @functools.cached_property
+    def module(self) -> types.ModuleType:
+        return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+
+    def cls(self, suffix: str) -> type:
+        return getattr(self.module, f"{self.prefix}{suffix}")
+
+
+FAMILIES = {
+    "llama": Family("llama", "Llama"),
+    "mistral": Family("mistral", "Mistral"),
+    "qwen2": Family("qwen2", "Qwen2"),
+    "qwen3": Family("qwen3", "Qwen3"),
+    "gemma": Family("gemma", "Gemma", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False),
+}
+
+
+def _family_of(model: torch.nn.Module) -> Family:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"tritonformer.integrations.hf: model_type {model_type!r} is not supported; "
+                         f"supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+# ---- the replacements ----
+
+def _norm_forward(family: Family):
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, getattr(self, family.norm_eps), family.norm_offset)
+    return forward
+
+
+def _is_plain_linear(module) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+def _mlp_forward(self, x):
+    projections = (self.gate_proj, self.up_proj, self.down_proj)
+    if (all(_is_plain_linear(p) and p.bias is None for p in projections)
+            and not torch.is_autocast_enabled(x.device.type)):
+        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    layouts = {1: "bhsd", 2: "bshd"}
+    if unsqueeze_dim not in layouts:
+        raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+    return apply_rope(q, k, cos, sin, layout=layouts[unsqueeze_dim])
+
+
+def _shifted_labels(labels, shift_labels):
+    """HF's ForCausalLMLoss targets: labels shifted left by one, the last position ignored."""
+    if shift_labels is not None:
+        return shift_labels
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                   shift_labels=None, **kwargs):
+    """HF's ForCausalLMLoss through tritonformer's cross_entropy (mean over the tokens not ignored,
+    or their sum over num_items_in_batch)."""
+    target = _shifted_labels(labels, shift_labels).to(logits.device)
+    logits = logits.reshape(-1, logits.shape[-1])
+    target = target.reshape(-1)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, target, ignore_index, "mean")
+    loss = cross_entropy(logits, target, ignore_index, "sum")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _causal_lm_forward(hf_forward):
+    """ForCausalLM.forward with the fused linear cross-entropy in training (see the module doc)."""
+
+    @functools.wraps(hf_forward)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        fused = labels is not None and self.training and _is_plain_linear(self.lm_head)
+        if not fused:
+            return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                              use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        kwargs.pop("ignore_index", None)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        hidden = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden = hidden[:, keep, :]
+        target = _shifted_labels(labels, shift_labels)[:, keep].to(hidden.device)
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if torch.is_autocast_enabled(hidden.device.type):
+            # What autocast does to an nn.Linear: both operands in its dtype.
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
+                                          IGNORE_INDEX, num_items_in_batch=num_items_in_batch)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
+
+
+# ---- registration ----
+
+def register_attention() -> None:
+    """Make attn_implementation="tritonformer" available (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+# Class-level patches: (owner, attribute) -> original value. The rope function is module-level,
+# shared by every model of a family: it stays patched while the family is patched by class or
+# any model of it patched by patch() is alive and not unpatched (_ROPE_USERS, weakly held).
+_CLASS_PATCHES: dict[tuple, object] = {}
+_ROPE_USERS: dict[str, weakref.WeakSet] = {}
+
+
+def _set(owner, attr: str, value) -> None:
+    key = (owner, attr)
+    if key not in _CLASS_PATCHES:
+        _CLASS_PATCHES[key] = owner.__dict__.get(attr)
+    setattr(owner, attr, value)
+
+
+def _restore(owner, attr: str) -> None:
+    original = _CLASS_PATCHES.pop((owner, attr), None)
+    if original is not None:
+        setattr(owner, attr, original)
+
+
+def _patch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
+    if model is not None:
+        _ROPE_USERS.setdefault(family.name, weakref.WeakSet()).add(model)
+    _set(family.module, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
+
+
+def _unpatch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
+    users = _ROPE_USERS.get(family.name, weakref.WeakSet())
+    if model is not None:
+        users.discard(model)
+    class_patched = (family.cls("RMSNorm"), "forward") in _CLASS_PATCHES
+    if not users and not class_patched:
+        _restore(family.module, "apply_rotary_pos_emb")
+
+
+def _patch_family(name: str) -> None:
+    family = FAMILIES[name]
+    register_attention()
+    _set(family.cls("RMSNorm"), "forward", _norm_forward(family))
+    if family.swiglu_mlp:
+        _set(family.cls("MLP"), "forward", _mlp_forward)
+    causal_lm = family.cls("ForCausalLM")
+    if (causal_lm, "forward") not in _CLASS_PATCHES:
+        _set(causal_lm, "forward", _causal_lm_forward(causal_lm.forward))
+    _patch_rope(family)
+
+
+def _unpatch_family(name: str) -> None:
+    family = FAMILIES[name]
+    for cls_suffix in ("RMSNorm", "MLP", "ForCausalLM"):
+        _restore(family.cls(cls_suffix), "forward")
+    _unpatch_rope(family)
+
+
+def patch_llama() -> None:
+    """Patch the Llama classes: every LlamaForCausalLM created afterwards runs tritonformer's
+    norms, MLP, rope and loss; create it with attn_implementation="tritonformer" for attention."""
+    _patch_family("llama")
+
+
+def patch_mistral() -> None:
+    """patch_llama for Mistral."""
+    _patch_family("mistral")
+
+
+def patch_qwen2() -> None:
+    """patch_llama for Qwen2."""
+    _patch_family("qwen2")
+
+
+def patch_qwen3() -> None:
+    """patch_llama for Qwen3 (its per-head q/k norms are RMSNorms too)."""
+    _patch_family("qwen3")
+
+
+def patch_gemma() -> None:
+    """patch_llama for Gemma, without the MLP (GeGLU, not SwiGLU)."""
+    _patch_family("gemma")
+
+
+def unpatch_family(name: str) -> None:
+    """Undo patch_<name>()."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; supported: {', '.join(FAMILIES)}")
+    _unpatch_family(name)
+
+
+# ---- one model ----
+
+def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
+    """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3 or Gemma model, also inside a
+    PEFT wrapper) in place and return it; patching twice is harmless. attention=False keeps the
+    model's attention implementation."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = _family_of(base)
+    state = getattr(base, "_tritonformer", None)
+    if state is not None:
+        return model
+    norm_cls = family.cls("RMSNorm")
+    mlp_cls = family.cls("MLP") if family.swiglu_mlp else None
+    causal_lm = family.cls("ForCausalLM")
+    # HF's forward, also when patch_<family>() has already wrapped the class's.
+    hf_causal_lm_forward = getattr(causal_lm.forward, "tritonformer_wraps", causal_lm.forward)
+    norm_forward = _norm_forward(family)
+    patched = []
+    for module in base.modules():
+        if type(module) is norm_cls:
+            module.forward = types.MethodType(norm_forward, module)
+        elif mlp_cls is not None and type(module) is mlp_cls:
+            module.forward = types.MethodType(_mlp_forward, module)
+        elif type(module) is causal_lm:
+            module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward), module)
+            module.loss_function = causal_lm_loss
+        else:
+            continue
+        patched.append(module)
+    _patch_rope(family, base)
+    previous_attention = base.config._attn_implementation
+    if attention:
+        register_attention()
+        base.set_attn_implementation(ATTENTION_NAME)
+    base._tritonformer = (family, patched, previous_attention if attention else None)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo patch(model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    state = getattr(base, "_tritonformer", None)
+    if state is None:
+        return model
+    family, patched, previous_attention = state
+    for module in patched:
+        del module.forward
+        if "_loss_function" in module.__dict__:
+            del module._loss_function
+    _unpatch_rope(family, base)
+    if previous_attention is not None:
+        base.set_attn_implementation(previous_attention)
+    del base._tritonformer
+    return model
