@@ -172,3 +172,17 @@ def test_report_merges_runs_taken_in_parts(monkeypatch, tmp_path):
     report = (tmp_path / "merged" / "report.md").read_text()
     assert "## one" in report and "## two" in report
     assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_e2e_stacks_train_to_the_same_loss(tmp_path):
+    pytest.importorskip("transformers")
+    from tritonformer.bench import e2e
+
+    sizes = dict(e2e.QUICK, steps=e2e.WARMUP_STEPS + 1, new_tokens=2)
+    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer")]
+    for row in rows:
+        assert len(row["losses"]) == sizes["steps"] and row["tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
+    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    report = e2e.write_report(rows + [dict(stack="hf+liger", error="liger_kernel is not installed")], sizes, tmp_path)
+    text = report.read_text()
+    assert "| tritonformer |" in text and "+0.00%" in text and (tmp_path / "e2e.png").exists()

@@ -268,3 +268,23 @@ def test_patched_training_step_compiles_without_graph_breaks(device):
     assert_close(loss, ref.double(), torch.float32)
     for name, grad in _grads(model).items():
         assert_close(grad, _grads(reference)[name].double(), torch.float32, compare="norm")
+
+
+def test_float32_weights_under_autocast(device):
+    """Mixed precision as HF trains it: float32 weights, bf16 matmuls under autocast."""
+    model, reference = _models()
+    exact = copy.deepcopy(reference)
+    ids = _ids(device)
+    losses, grads = [], []
+    for m, autocast in ((model, True), (reference, True), (exact, False)):
+        m.to(device).train()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(_grads(m))
+    factor = 3 if device == "cpu" else 2
+    assert abs(losses[0] - losses[2]) <= max(factor * abs(losses[1] - losses[2]), 1e-2)
+    for name in grads[2]:
+        ours, hf_autocast = (_relative_error(g[name], grads[2][name]) for g in grads[:2])
+        assert ours <= max(factor * hf_autocast, 1e-2), (name, ours, hf_autocast)

@@ -1,4 +1,4 @@
-"""Command line: `python -m tritonformer bench [OP ...] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
+"""Command line: `python -m tritonformer bench [OP ...|e2e] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
 
     bench = commands.add_parser("bench", help="check and time the ops against their peers, write a report")
-    bench.add_argument("ops", nargs="*", metavar="OP", help="ops to run (default: all registered)")
+    bench.add_argument("ops", nargs="*", metavar="OP",
+                       help="ops to run (default: all registered), or e2e: the end-to-end training benchmark")
     bench.add_argument("--quick", action="store_true", help="the small grid only (implied without a GPU)")
     bench.add_argument("--out", type=Path, help="output directory (default: bench-out/<device>/)")
     bench.set_defaults(handler=_bench)
@@ -66,12 +67,23 @@ def _bench(args: argparse.Namespace) -> int:
 
     if runtime.INTERPRET:
         print(INTERPRETER_NOTICE, flush=True)
+    quick = args.quick or runtime.INTERPRET
+    if "e2e" in args.ops:
+        if len(args.ops) > 1:
+            print("tritonformer bench: e2e runs on its own (bench e2e)", file=sys.stderr)
+            return EXIT_USAGE
+        from .bench import e2e
+
+        out_dir = args.out or Path("bench-out") / "e2e"
+        rows = e2e.run(out_dir, quick)
+        print(f"\nwrote {out_dir / 'e2e.md'}")
+        ours_failed = any("error" in r for r in rows if r["stack"].startswith("tritonformer"))
+        return EXIT_CHECK_FAILED if ours_failed else EXIT_OK
     try:
         ops = runner.select_ops(args.ops)
     except runner.UnknownOpError as exc:
         print(f"tritonformer bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    quick = args.quick or runtime.INTERPRET
     ceilings = runner.measure_ceilings(quick)
     rows = runner.run(ops, quick, ceilings=ceilings)
     out_dir = args.out or Path("bench-out") / ceilings["device_slug"]

@@ -21,7 +21,8 @@ What is swapped, per family (FAMILIES):
 - attention: `nn.attention_forward`, registered as "tritonformer" in HF's AttentionInterface
   with SDPA's mask builder (so no mask is made for plain causal batches, and padding masks
   still reach it: they go through torch's SDPA);
-- the loss: in training, with labels, and with a plain nn.Linear lm_head, the ForCausalLM
+- the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
+  (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
   logits=None (the (tokens, vocab) logits are never made); otherwise it returns logits as
   HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
@@ -93,6 +94,15 @@ def _is_plain_linear(module) -> bool:
     return type(module) is torch.nn.Linear
 
 
+def _is_sharded(weight) -> bool:
+    """A DTensor weight at forward time: lm_head is an FSDP2 unit of its own, whose weight is
+    gathered only by its own forward; the fused loss reads the weight directly, so that case
+    takes the logits path. (With lm_head in the root unit, as HF's `keep_full_weight` FSDP plan
+    has it, the root gathers it before the model's forward and the fused loss sees it whole.)"""
+    from torch.distributed.tensor import DTensor
+    return isinstance(weight, DTensor)
+
+
 def _mlp_forward(self, x):
     projections = (self.gate_proj, self.up_proj, self.down_proj)
     if (all(_is_plain_linear(p) and p.bias is None for p in projections)
@@ -136,7 +146,8 @@ def _causal_lm_forward(hf_forward):
     @functools.wraps(hf_forward)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        fused = labels is not None and self.training and _is_plain_linear(self.lm_head)
+        fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
+                 and not _is_sharded(self.lm_head.weight))
         if not fused:
             return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,

@@ -1,0 +1,181 @@
+"""`python -m tritonformer bench e2e`: train a Llama-style model (built from a config, no
+download) with each stack and report tokens/s, step time, peak memory, warm-up time and the loss,
+plus a prefill and a greedy generation measure.
+
+Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when importable), HF + torch.compile,
+HF + tritonformer (integrations.hf.patch) and HF + tritonformer + torch.compile. Each runs in a
+child process of its own (Liger and our patch both replace module-level functions of
+transformers, and peak memory is per process), on the same seeded weights and data, with fused
+AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included);
+the step time is the median of the later steps; tokens/s is batch x seq over it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STACKS = ("hf-eager", "hf+liger", "hf+torch.compile", "tritonformer", "tritonformer+torch.compile")
+WARMUP_STEPS = 3
+# The model of ../shared/ANCHORS.md (issue 6): 8 layers, hidden 2048, bf16, batch 4 x 2048.
+FULL = dict(layers=8, hidden=2048, intermediate=8192, heads=16, kv_heads=4, vocab=128256, batch=4, seq=2048,
+            steps=50, prompt=512, new_tokens=128)
+# Under the interpreter: a model small enough to train a few steps in seconds.
+QUICK = dict(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=256, batch=2, seq=32,
+             steps=WARMUP_STEPS + 2, prompt=8, new_tokens=4)
+
+
+def _sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_stack(stack: str, sizes: dict) -> dict:
+    """One stack's measures (in this process)."""
+    import torch
+
+    import tritonformer  # noqa: F401  (before transformers: picks the interpreter without a GPU)
+    from tritonformer import runtime
+
+    device = torch.device(runtime.DEVICE)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if stack == "hf+liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
+        max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]))
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+    if stack.startswith("tritonformer"):
+        from tritonformer.integrations import hf
+        hf.patch(model)
+    step_model = torch.compile(model) if stack.endswith("torch.compile") else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    data = torch.randint(0, sizes["vocab"], (sizes["steps"], sizes["batch"], sizes["seq"]),
+                         generator=torch.Generator().manual_seed(1)).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    model.train()
+    losses, times = [], []
+    start = time.perf_counter()
+    for step in range(sizes["steps"]):
+        t0 = time.perf_counter()
+        loss = step_model(input_ids=data[step], labels=data[step]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if step == WARMUP_STEPS - 1:
+            warmup_s = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    step_s = statistics.median(times[WARMUP_STEPS:])
+    losses = [x.float().item() for x in losses]
+
+    model.eval()
+    prompt = data[0][:1, : sizes["prompt"]]
+    with torch.no_grad():
+        model(input_ids=prompt)  # warm
+        _sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=prompt)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=sizes["new_tokens"], min_new_tokens=sizes["new_tokens"],
+                       do_sample=False)
+        _sync(device)
+        generate_s = time.perf_counter() - t0
+    return dict(stack=stack, tokens_per_s=sizes["batch"] * sizes["seq"] / step_s, step_ms=step_s * 1e3,
+                warmup_s=warmup_s, peak_gib=peak, final_loss=losses[-1], losses=losses,
+                prefill_ms=prefill_s * 1e3, generate_tokens_per_s=sizes["new_tokens"] / generate_s)
+
+
+def run(out_dir: Path, quick: bool, stacks=STACKS) -> list[dict]:
+    """Each stack in a child process; rows (with an `error` for a stack that failed)."""
+    sizes = QUICK if quick else FULL
+    rows = []
+    for stack in stacks:
+        if stack == "hf+liger" and importlib.util.find_spec("liger_kernel") is None:
+            rows.append(dict(stack=stack, error="liger_kernel is not installed"))
+            continue
+        print(f"[e2e] {stack} ...", flush=True)
+        proc = subprocess.run([sys.executable, "-m", "tritonformer.bench.e2e", stack, json.dumps(sizes)],
+                              capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append(dict(stack=stack, error=error[:300]))
+            print(f"[e2e] {stack}: failed: {error[:300]}", flush=True)
+            continue
+        row = json.loads(lines[-1])
+        rows.append(row)
+        print(f"[e2e] {stack}: {row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']:.2f} GiB, "
+              f"warm-up {row['warmup_s']:.1f} s, loss {row['final_loss']:.4f}", flush=True)
+    write_report(rows, sizes, out_dir)
+    return rows
+
+
+def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "e2e.json").write_text(json.dumps(dict(sizes=sizes, rows=rows), indent=1))
+    eager = next((r for r in rows if r["stack"] == "hf-eager" and "error" not in r), None)
+    lines = [
+        "# End-to-end training (Llama-style model from a config)", "",
+        f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
+        f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}, batch {sizes['batch']} x "
+        f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps; "
+        f"prefill of {sizes['prompt']} tokens; greedy generation of {sizes['new_tokens']} tokens.", "",
+        "| stack | tokens/s | step ms | peak GiB | warm-up s | loss after the last step | vs HF eager loss | "
+        "prefill ms | generation tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['stack']} | {r['error']} | | | | | | | |")
+            continue
+        vs = f"{(r['final_loss'] / eager['final_loss'] - 1) * 100:+.2f}%" if eager else ""
+        lines.append(f"| {r['stack']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
+                     f"{r['warmup_s']:.1f} | {r['final_loss']:.4f} | {vs} | {r['prefill_ms']:.1f} | "
+                     f"{r['generate_tokens_per_s']:.1f} |")
+    lines += ["", "![e2e](e2e.png)", ""]
+    path = out_dir / "e2e.md"
+    path.write_text("\n".join(lines))
+    _plot([r for r in rows if "error" not in r], out_dir / "e2e.png")
+    return path
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    names = [r["stack"] for r in rows]
+    for ax, key, title in ((axes[0], "tokens_per_s", "training tokens/s"), (axes[1], "peak_gib", "peak GiB")):
+        ax.barh(names, [r[key] for r in rows], color=["C1" if n.startswith("tritonformer") else "C0" for n in names])
+        ax.set_title(title)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_stack(sys.argv[1], json.loads(sys.argv[2]))))
