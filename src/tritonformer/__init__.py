@@ -1,14 +1,16 @@
 """tritonformer: Triton kernels for Transformers, forward and backward."""
 
-from . import runtime
+from . import runtime  # first: it picks the interpreter before triton is imported
+from . import quant
 from .ops.add import add
 from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
 from .ops.rope import apply_rope
+from .ops.scaled_matmul import scaled_matmul
 from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "attention", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "softmax", "swiglu", "swiglu_mlp", "runtime", "__version__"]
+__all__ = ["add", "attention", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

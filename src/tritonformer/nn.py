@@ -9,7 +9,9 @@ from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
+from . import quant
 from .ops.rope import LAYOUTS as ROPE_LAYOUTS, apply_rope
+from .ops.scaled_matmul import scaled_matmul
 from .ops.swiglu import swiglu_mlp
 from .ops.softmax import softmax
 
@@ -133,6 +135,43 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}")
+
+
+class QuantizedLinear(torch.nn.Module):
+    """An inference nn.Linear whose weight is block-scaled (mxfp8, mxfp4 or nvfp4, blocks along
+    in_features): `QuantizedLinear.from_linear(linear, "nvfp4")`. Inputs are bf16 (..., in);
+    the product runs in `scaled_matmul`. The weight's data and scales are buffers, so `.to()`
+    and state_dict carry them."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = True, device=None):
+        super().__init__()
+        q = quant.quantize(torch.zeros(out_features, in_features, device=device), fmt, axis=1)
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.register_buffer("weight_data", q.data)
+        self.register_buffer("weight_scales", q.scales)
+        self.register_buffer("weight_tensor_scale", q.tensor_scale)
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "QuantizedLinear":
+        module = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, linear.weight.device)
+        q = quant.quantize(linear.weight.detach(), fmt, axis=1)
+        module.weight_data, module.weight_scales, module.weight_tensor_scale = q.data, q.scales, q.tensor_scale
+        if linear.bias is not None:
+            module.bias = linear.bias.detach().clone()
+        return module
+
+    @property
+    def weight(self) -> quant.QuantizedTensor:
+        return quant.QuantizedTensor(self.weight_data, self.weight_scales, self.fmt,
+                                     torch.Size((self.out_features, self.in_features)), 1, self.weight_tensor_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = scaled_matmul(x.reshape(-1, self.in_features), self.weight, out_dtype=x.dtype, bias=self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt!r}"
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ops import add, attention, cross_entropy, matmul, norm, rope, softmax, swiglu
+from .ops import add, attention, cross_entropy, matmul, norm, rope, scaled_matmul, softmax, swiglu
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
@@ -17,4 +17,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     rope.SPEC,
     cross_entropy.SPEC,
     cross_entropy.FUSED_LINEAR_SPEC,
+    scaled_matmul.SPEC,
 )}

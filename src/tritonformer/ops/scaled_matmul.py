@@ -1,0 +1,279 @@
+"""Block-scaled matmul: C = A @ B with A bf16 or block-scaled, B block-scaled (tritonformer.quant).
+
+    w = quant.quantize(linear.weight, "nvfp4")       # (N, K), quantized along K
+    y = scaled_matmul(x, w)                          # x (M, K) bf16 -> x @ w.T, (M, N) bf16
+    y = scaled_matmul(quant.quantize(x, "mxfp8"), w) # both operands block-scaled
+
+B's quantized axis is the reduction axis: B of logical shape (K, N) quantized along axis 0
+gives A @ B, and (N, K) quantized along axis 1 (a weight in nn.Linear's layout) gives A @ B.T;
+either way it is stored as (N, K) rows. A is (M, K), quantized along K when block-scaled.
+
+Hopper (sm_90) has no block-scaled tensor-core instruction, so each program dequantizes its
+tiles in registers: fp8 e4m3 or e2m1 elements times their block scale are exact in bf16 (e8m0
+scales are powers of two; e2m1 x e4m3 has at most 6 significant bits), the tensor cores take
+bf16 x bf16 with float32 accumulation, and nvfp4's per-tensor scales multiply the accumulator
+once at the end. So the result equals dequantize-then-matmul in float32 up to the order of the
+float32 sums. The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales:
+for small M, where a bf16 matmul is bound by reading the weight, that is the speed-up.
+(tl.dot_scaled, the hardware path of sm_100, is the next step; it does not run under the
+interpreter, while this kernel does.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import quant, runtime
+from ..quant import FORMATS, QuantizedTensor, _pow2
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+
+
+@triton.jit
+def _e2m1_value(code):
+    """e2m1 code (int32, 0-15, sign in bit 3) -> float32 value."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    magnitude = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e - 1))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
+                      FMT: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, in float32
+    (nvfp4's tensor scale not applied). Rows past n_rows and columns past K read as zero."""
+    row_ok = rows[:, None] < n_rows
+    if FMT == "mxfp8":
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok & (cols[None, :] < K)
+        values = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ok = row_ok & (half[None, :] < K // 2)
+        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
+        lo = _e2m1_value(packed & 0xF)
+        hi = _e2m1_value(packed >> 4)
+        values = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
+    blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
+    s_ok = row_ok & (blocks[None, :] < K // VEC)
+    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=s_ok, other=0)
+    if FMT == "nvfp4":
+        # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
+        scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        exp = raw.to(tl.int32)
+        # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
+        scale = tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
+    scaled = tl.reshape(values, (ROWS, BLOCK_K // VEC, VEC)) * scale[:, :, None]
+    return tl.reshape(scaled, (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, tensor_scale_ptr,
+                          M, N, K, stride_am, stride_ak, stride_as, stride_bn, stride_bs, stride_cm, stride_cn,
+                          A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HAS_TENSOR_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_a = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_b = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if A_FMT == "bf16":
+            cols = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rows_a[:, None].to(tl.int64) * stride_am + cols[None, :] * stride_ak,
+                        mask=(rows_a[:, None] < M) & (cols[None, :] < K), other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+        else:
+            a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a.to(tl.int64), M, k0, K, stride_am, stride_as,
+                                  A_FMT, A_VEC, BLOCK_M, BLOCK_K)
+            if not UPCAST:
+                a = a.to(tl.bfloat16)
+        b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b.to(tl.int64), N, k0, K, stride_bn, stride_bs,
+                              B_FMT, B_VEC, BLOCK_N, BLOCK_K)
+        if not UPCAST:
+            b = b.to(tl.bfloat16)
+        acc = tl.dot(a, tl.trans(b), acc)
+    if HAS_TENSOR_SCALE:
+        acc = acc * tl.load(tensor_scale_ptr)
+    cols_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_c, mask=cols_c < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows_a[:, None] < M) & (cols_c[None, :] < N)
+    tl.store(c_ptr + rows_a[:, None].to(tl.int64) * stride_cm + cols_c[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+_launch = runtime.FastLaunch(_scaled_matmul_kernel)
+
+
+def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small M streams the weight with
+    narrow M tiles; large M takes square tiles (H100 tuning is the next step)."""
+    if runtime.INTERPRET:
+        return 16, 32, 64, 4, 1
+    if M <= 16:
+        return 16, 64, 256, 4, 4
+    if M <= 64:
+        return 64, 64, 128, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def _operand(name: str, t, reduction_axis: int) -> None:
+    if not isinstance(t, QuantizedTensor):
+        raise TypeError(f"{name} must be a tritonformer.quant.QuantizedTensor, got {type(t).__name__}")
+    if len(t.shape) != 2:
+        raise ValueError(f"{name} must be 2-D, got logical shape {tuple(t.shape)}")
+    if t.axis != reduction_axis and name == "a":
+        raise ValueError(f"a must be quantized along K (axis 1), got axis {t.axis}")
+
+
+def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A @ B (see the module doc for B's orientation); A is a bf16 tensor (M, K) or a
+    QuantizedTensor (M, K) quantized along K; B a QuantizedTensor. K must be a multiple of both
+    formats' blocks (it is, for anything quantize accepted). Returns (M, N) in out_dtype
+    (bfloat16, float16 or float32), plus bias (N,) when given."""
+    _operand("b", b, 0)
+    K = b.shape[b.axis]
+    N = b.shape[1 - b.axis]
+    if isinstance(a, QuantizedTensor):
+        _operand("a", a, 1)
+        a_fmt, (M, K_a) = a.fmt, a.shape
+        a_data, a_scales = a.data, a.scales
+    else:
+        runtime.check_tensor("a", a, (torch.bfloat16,), min_dim=2)
+        if a.dim() != 2:
+            raise ValueError(f"a must be 2-D (M, K), got shape {tuple(a.shape)}")
+        a_fmt, (M, K_a) = "bf16", a.shape
+        a_data, a_scales = a, b.scales
+    if K_a != K:
+        raise ValueError(f"a has K = {K_a} but b has K = {K} (its quantized axis)")
+    if out_dtype not in runtime.FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    device = b.data.device
+    if bias is not None:
+        runtime.check_tensor("bias", bias)
+        if bias.shape != (N,):
+            raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
+    runtime.check_same_device(a=a_data, b=b.data)
+    c = runtime.empty((M, N), out_dtype, device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
+    tensor_scale = None
+    for t in (a, b):
+        if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
+            tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
+    bm, bn, bk, warps, stages = _launch_shape(M)
+    vec_a = FORMATS[a_fmt][0] if a_fmt in FORMATS else 32
+    bk = max(bk, vec_a, b.block)
+    a_strides = (a_data.stride(0), a_data.stride(1), a_scales.stride(0)) if a_fmt == "bf16" else \
+        (a_data.stride(0), 1, a_scales.stride(0))
+    a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
+    _launch((triton.cdiv(M, bm), triton.cdiv(N, bn)), a_data, a_scales, b.data, b_scales, c,
+            bias if bias is not None else c, tensor_scale if tensor_scale is not None else c,
+            M, N, K, *a_strides, b.data.stride(0), b.scales.stride(0), c.stride(0), c.stride(1),
+            A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, HAS_BIAS=bias is not None,
+            HAS_TENSOR_SCALE=tensor_scale is not None, UPCAST=runtime.INTERPRET,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return c
+
+
+def scaled_matmul_reference(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize, then a float32 matmul."""
+    a32 = a.dequantize() if isinstance(a, QuantizedTensor) else a.float()
+    b32 = b.dequantize()
+    if b.axis == 1:
+        b32 = b32.t()
+    out = a32 @ b32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+# ---- registry: test and bench cases ----
+
+def _test_cases() -> list[TestCase]:
+    def case(id, M, N, K, fmt_b, fmt_a=None, bias=False, gpu_only=False, out_dtype=torch.bfloat16):
+        def make(device):
+            b = quant.quantize(torch.randn(N, K, device=device), fmt_b, axis=1)
+            x = torch.randn(M, K, device=device)
+            a = quant.quantize(x, fmt_a) if fmt_a else x.to(torch.bfloat16)
+            kwargs = {"out_dtype": out_dtype}
+            if bias:
+                kwargs["bias"] = torch.randn(N, device=device)
+            return (a, b), kwargs
+        return TestCase(id, make, out_dtype, grad=False, gpu_only=gpu_only, compare="norm")
+
+    cases = [case(f"bf16-x-{fmt}-{M}x45x96", M, 45, 96, fmt) for fmt in FORMATS for M in (1, 19)]
+    cases += [case("mxfp8-x-mxfp8-bias-fp32", 33, 40, 64, "mxfp8", "mxfp8", bias=True, out_dtype=torch.float32),
+              case("mxfp4-x-mxfp4", 17, 31, 64, "mxfp4", "mxfp4"),
+              case("nvfp4-x-nvfp4", 17, 31, 64, "nvfp4", "nvfp4"),
+              case("mxfp8-x-mxfp4-fp16", 9, 70, 128, "mxfp4", "mxfp8", out_dtype=torch.float16)]
+    cases += [case(f"gpu-bf16-x-{fmt}-300x1000x4096", 300, 1000, 4096, fmt, gpu_only=True) for fmt in FORMATS]
+    cases += [case("gpu-mxfp8-x-mxfp8-1000x777x2048", 1000, 777, 2048, "mxfp8", "mxfp8", gpu_only=True)]
+    return cases
+
+
+def _bench_cases() -> list[BenchCase]:
+    dev = runtime.DEVICE
+    bf16 = torch.bfloat16
+    cases = []
+    grid = [(1, 64, 256, True)] if runtime.INTERPRET else \
+        [(M, N, K, False) for M in (1, 16, 64) for N, K in ((8192, 8192), (28672, 8192))]
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        for M, N, K, quick in grid:
+            def setup_weight_only(M=M, N=N, K=K, fmt=fmt):
+                weight = torch.randn(N, K, device=dev, dtype=bf16)
+                w = quant.quantize(weight, fmt, axis=1)
+                w_bf16 = w.dequantize(bf16)
+                x = torch.randn(M, K, device=dev, dtype=bf16)
+                return Bench({"tritonformer": lambda: scaled_matmul(x, w),
+                              "torch bf16": lambda: x @ w_bf16.t(),
+                              "dequantize+torch": lambda: x @ w.dequantize(bf16).t()},
+                             reference=lambda: scaled_matmul_reference(x, w))
+            cases.append(BenchCase("scaled_matmul", "fwd", bf16, f"bf16 x {fmt} {M}x{N}x{K}", M, setup_weight_only,
+                                   flops=2 * M * N * K, plot=f"bf16 x {fmt} weights", quick=quick))
+    big = 256 if runtime.INTERPRET else 8192
+    for fmt_a, fmt_b in (("mxfp8", "mxfp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"), ("mxfp8", "mxfp4")):
+        def setup_both(fmt_a=fmt_a, fmt_b=fmt_b, n=big):
+            x = torch.randn(n, n, device=dev, dtype=bf16)
+            weight = torch.randn(n, n, device=dev, dtype=bf16)
+            a, b = quant.quantize(x, fmt_a), quant.quantize(weight, fmt_b, axis=1)
+            providers = {"tritonformer": lambda: scaled_matmul(a, b), "torch bf16": lambda: x @ weight.t()}
+            if fmt_a == fmt_b == "mxfp8" and not runtime.INTERPRET:
+                a8, b8 = x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn)
+                ones_a = torch.ones(n, 1, device=dev)
+                ones_b = torch.ones(1, n, device=dev)
+                providers["torch._scaled_mm fp8 row-wise"] = lambda: torch._scaled_mm(
+                    a8, b8.t(), ones_a, ones_b, out_dtype=bf16)
+            small = n <= 2048
+            return Bench(providers, reference=(lambda: scaled_matmul_reference(a, b)) if small else None)
+        cases.append(BenchCase("scaled_matmul", "fwd", bf16, f"{fmt_a} x {fmt_b} {big}^3", big, setup_both,
+                               flops=2 * big**3, plot="both operands block-scaled", quick=runtime.INTERPRET))
+    rows, cols = (64, 256) if runtime.INTERPRET else (16384, 8192)
+    for fmt in FORMATS:
+        def setup_quantize(fmt=fmt):
+            x = torch.randn(rows, cols, device=dev, dtype=bf16)
+            return Bench({"tritonformer": lambda: quant.quantize(x, fmt)})
+        cases.append(BenchCase("scaled_matmul", "quantize", bf16, f"quantize {fmt} {rows}x{cols}", rows,
+                               setup_quantize, bytes=2 * rows * cols, plot="quantize (bf16 read)",
+                               quick=runtime.INTERPRET))
+    return cases
+
+
+SPEC = OpSpec(
+    name="scaled_matmul",
+    fn=scaled_matmul,
+    reference=scaled_matmul_reference,
+    test_cases=_test_cases,
+    bench_cases=_bench_cases,
+    compare="norm",
+)

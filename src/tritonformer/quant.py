@@ -1,0 +1,291 @@
+"""Block-scaled low-precision formats: mxfp8, mxfp4 (OCP Microscaling v1.0) and nvfp4.
+
+    q = quantize(x, "mxfp8")        # blocks of 32 along the last axis (axis=... picks another)
+    x2 = dequantize(q)              # float32 by default
+
+| format | element | block | block scale | tensor scale |
+|---|---|---|---|---|
+| mxfp8 | fp8 e4m3 (max 448), one a byte | 32 | e8m0: 2^(byte - 127), byte 255 = NaN | - |
+| mxfp4 | fp4 e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6), two a byte | 32 | e8m0 | - |
+| nvfp4 | fp4 e2m1, two a byte | 16 | fp8 e4m3 | float32 |
+
+Rounding and saturation:
+- MX (OCP MX v1.0, section 6.3): the block's scale is 2^(floor(log2(amax)) - emax), emax being
+  the element format's largest exponent (8 for e4m3, 2 for e2m1), the exponent clamped to
+  [-126, 127] (the spec's e8m0 also has 2^-127; blocks whose amax is under 2^-118 get 2^-126
+  instead, which changes no element). Elements are x / scale rounded to nearest, ties to even,
+  and saturated to the element's largest magnitude (amax / scale reaches 2^(emax+1), above it).
+  A block holding a NaN or an infinity gets the NaN scale (byte 255) and zero elements: it
+  dequantizes to NaN. An all-zero block gets 2^-126 and zero elements. Inputs below float32's
+  smallest normal (2^-126) are flushed to +0 first, in every format, and an element that
+  rounds to zero is stored as +0.
+- nvfp4 (NVIDIA's recipe): tensor scale s = amax(x) / (448 * 6) (1 for an all-zero tensor);
+  block scale = e4m3(amax(block) / 6 / s), rounded to nearest even (it cannot exceed 448);
+  elements = e2m1(x / (block scale * s)), rounded to nearest even and saturated at 6; a block
+  whose scale rounds to 0 has zero elements. Non-finite inputs are not supported by the recipe:
+  they give NaN in the tensor scale.
+
+Storage: `data` is (rows, K) float8_e4m3fn for mxfp8, or (rows, K / 2) uint8 for the fp4
+formats, the element of even index in the low nibble (sign in bit 3, then 2 exponent bits, 1
+mantissa bit); `scales` is (rows, K / block), uint8 e8m0 bytes or float8_e4m3fn. Rows are every
+index of the other axes, in order (the quantized axis moved last). `to_blocked` /
+`from_blocked` convert scales to and from the 5D layout block-scaled tensor cores read,
+(rows / 128, cols / 4, 32, 4, 4), rows padded to 128 and scale columns to 4 with zeros.
+
+The quantize kernel computes both roundings with float32 arithmetic and integer thresholds, not
+with Triton's fp8 conversion of unrounded values (Triton 3.6's interpreter rounds those
+differently from the GPU's cvt.rn.satfinite); it converts only exactly representable values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import runtime  # first: it picks the interpreter before triton is imported
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+FORMATS = {
+    # name: (block size, element max, MX emax of the element or None for nvfp4's e4m3 scale)
+    "mxfp8": (32, 448.0, 8),
+    "mxfp4": (32, 6.0, 2),
+    "nvfp4": (16, 6.0, None),
+}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MIN_SCALE_EXP = -126
+NAN_SCALE = 255
+NVFP4_TENSOR_DIV = 448.0 * 6.0
+
+
+@dataclass
+class QuantizedTensor:
+    """A block-scaled tensor: see the module doc for the layout of `data` and `scales`."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    shape: torch.Size  # the logical (unquantized) shape
+    axis: int  # the quantized axis of `shape`, non-negative
+    tensor_scale: torch.Tensor | None = None  # nvfp4's float32 scalar
+
+    @property
+    def block(self) -> int:
+        return FORMATS[self.fmt][0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """x with `axis` moved last, as (rows, K) contiguous."""
+    return x.movedim(axis, -1).reshape(-1, x.shape[axis]).contiguous()
+
+
+# ---- the kernel ----
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for integer e in [-126, 127], from its bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_e4m3(a):
+    """|x| (float32, at most 448) rounded to the nearest e4m3 value, ties to even: adding and
+    subtracting 2^(exponent + 20) leaves 3 mantissa bits (normals), and below 2^-6 the spacing
+    of e4m3's subnormals, 2^-9."""
+    exp_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23)
+    magic = (exp_bits + (20 << 23)).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
+
+
+@triton.jit
+def _e2m1_code(a):
+    """|x| (float32) to the e2m1 magnitude code 0-7 (values 0, .5, 1, 1.5, 2, 3, 4, 6), nearest
+    with ties to even, saturating at 6."""
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return code
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
+                     FMT: tl.constexpr, VEC: tl.constexpr, EMAX: tl.constexpr, BLOCKS: tl.constexpr):
+    """One row, BLOCKS scale blocks of VEC elements per program along K (K % VEC == 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    first_block = tl.program_id(1) * BLOCKS
+    n_blocks = K // VEC
+    blk = first_block + tl.arange(0, BLOCKS)
+    cols = blk[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    ok = blk[:, None] < n_blocks
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, 0.0, x)  # subnormals flush to +0
+    a = tl.abs(x)
+    amax = tl.max(a, axis=1)
+    if FMT == "nvfp4":
+        s = tl.load(tensor_scale_ptr)
+        scale = _round_e4m3(amax / 6.0 / s)
+        tl.store(scale_ptr + row * n_blocks + blk, scale.to(tl.float8e4nv), mask=blk < n_blocks)
+        denom = scale * s
+        inv = tl.where(denom > 0, 1.0 / tl.maximum(denom, 1e-38), 0.0)
+    else:
+        # tl.max skips NaN: count them.
+        finite = (amax <= 3.4028234663852886e38) & (tl.sum((x != x).to(tl.int32), axis=1) == 0)
+        exp = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - EMAX
+        exp = tl.minimum(tl.maximum(exp, -126), 127)
+        byte = tl.where(finite, exp + 127, 255)
+        tl.store(scale_ptr + row * n_blocks + blk, byte.to(tl.uint8), mask=blk < n_blocks)
+        inv = tl.where(finite, _pow2(-exp), 0.0)
+    y = tl.where(inv[:, None] > 0, a, 0.0) * inv[:, None]
+    negative = x < 0
+    if FMT == "mxfp8":
+        q = _round_e4m3(tl.minimum(y, 448.0))
+        q = tl.where(negative & (q > 0), -q, q)
+        tl.store(data_ptr + row * K + cols, q.to(tl.float8e4nv), mask=ok)
+    else:
+        code = _e2m1_code(y)
+        code = code | tl.where(negative & (code > 0), 8, 0)
+        pairs = tl.reshape(code, (BLOCKS, VEC // 2, 2))
+        lo, hi = tl.split(pairs)
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        half = blk[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        tl.store(data_ptr + row * (K // 2) + half, packed, mask=ok)
+
+
+_launch_quantize = runtime.FastLaunch(_quantize_kernel)
+
+
+def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
+    """Block-scale x (float32, float16 or bfloat16) along `axis`, whose size must be a multiple
+    of the format's block (32, or 16 for nvfp4)."""
+    _check_format(fmt)
+    runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
+    axis = axis % x.dim()
+    vec = FORMATS[fmt][0]
+    K = x.shape[axis]
+    if K % vec:
+        raise ValueError(f"{fmt} quantizes blocks of {vec} along axis {axis}, whose size {K} is not a multiple of {vec}")
+    rows = _rows_view(x, axis)
+    M = rows.shape[0]
+    device = x.device
+    fp4 = fmt != "mxfp8"
+    data = runtime.empty((M, K // 2) if fp4 else (M, K), torch.uint8 if fp4 else torch.float8_e4m3fn, device)
+    scales = runtime.empty((M, K // vec), torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8, device)
+    tensor_scale = None
+    if fmt == "nvfp4":
+        amax = rows.abs().amax().float() if rows.numel() else torch.zeros((), device=device)
+        tensor_scale = torch.where(amax > 0, amax / NVFP4_TENSOR_DIV, torch.ones_like(amax)).reshape(1)
+    if M and K:
+        blocks = max(1, min(triton.next_power_of_2(K // vec), 4096 // vec))
+        _launch_quantize((M, triton.cdiv(K // vec, blocks)), rows, data, scales,
+                         tensor_scale if tensor_scale is not None else scales, K, rows.stride(0),
+                         FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, num_warps=4)
+    return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
+
+
+# ---- dequantize and references (PyTorch) ----
+
+def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
+    """(rows, K / 2) uint8 -> (rows, K) float32."""
+    table = torch.tensor(E2M1_VALUES, device=packed.device)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    values = table[codes & 7]
+    return torch.where(codes >= 8, -values, values)
+
+
+def _e8m0_decode(scales: torch.Tensor) -> torch.Tensor:
+    exp = scales.to(torch.int32) - 127
+    value = torch.exp2(exp.float())
+    return torch.where(scales == NAN_SCALE, torch.full_like(value, float("nan")), value)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor q stands for, in `dtype`, in its logical shape."""
+    vec = q.block
+    if q.fmt == "mxfp8":
+        values = q.data.float()
+    else:
+        values = _e2m1_decode(q.data)
+    if q.fmt == "nvfp4":
+        scale = q.scales.float() * q.tensor_scale.float()
+    else:
+        scale = _e8m0_decode(q.scales)
+    rows = values.reshape(values.shape[0], -1, vec) * scale[..., None]
+    moved = list(q.shape)
+    moved.append(moved.pop(q.axis))
+    return rows.reshape(moved).movedim(-1, q.axis).to(dtype)
+
+
+def _e2m1_code_reference(y: torch.Tensor) -> torch.Tensor:
+    """|y| (float64) to the code (0-7) of the nearest e2m1 magnitude, ties to the even code,
+    saturating at 6."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=y.device)
+    dist = (y[..., None] - table).abs()
+    code = dist.argmin(-1)  # the lower of two equally near codes
+    upper = (code + 1).clamp(max=7)
+    tie = dist.gather(-1, upper[..., None])[..., 0] == dist.gather(-1, code[..., None])[..., 0]
+    return torch.where(tie & (code % 2 == 1), upper, code)
+
+
+def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
+    """quantize in plain PyTorch (float64 arithmetic, torch's own e4m3 rounding)."""
+    _check_format(fmt)
+    axis = axis % x.dim()
+    vec, elem_max, emax = FORMATS[fmt]
+    rows = _rows_view(x, axis).double()
+    rows = torch.where(rows.abs() < 2.0**-126, 0.0, rows)  # subnormals flush to +0
+    M, K = rows.shape
+    blocks = rows.reshape(M, K // vec, vec)
+    amax = blocks.abs().amax(-1)
+    tensor_scale = None
+    if fmt == "nvfp4":
+        t_amax = rows.abs().amax() if rows.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
+        s = torch.where(t_amax > 0, t_amax.float() / NVFP4_TENSOR_DIV, torch.ones((), device=x.device))
+        tensor_scale = s.reshape(1)
+        scales = (amax.float() / 6.0 / s).to(torch.float8_e4m3fn)
+        # The recipe's arithmetic is float32: the element scale's reciprocal, then a product.
+        denom = scales.float() * s
+        inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
+        scaled = (blocks.float() * inv[..., None]).double()
+    else:
+        finite = torch.isfinite(amax) & ~blocks.isnan().any(-1)
+        safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
+        exp = torch.floor(torch.log2(safe.float())).long() - emax
+        exp = torch.where(amax > 0, exp, torch.full_like(exp, MIN_SCALE_EXP)).clamp(MIN_SCALE_EXP, 127)
+        scales = torch.where(finite, exp + 127, torch.full_like(exp, NAN_SCALE)).to(torch.uint8)
+        inv = torch.where(finite, torch.exp2(-exp.double()), torch.zeros_like(amax))
+        scaled = torch.where(inv[..., None] > 0, blocks * inv[..., None], 0.0)
+    if fmt == "mxfp8":
+        magnitude = scaled.abs().clamp(max=elem_max).float().to(torch.float8_e4m3fn).float()
+        data = torch.where((blocks < 0) & (magnitude > 0), -magnitude, magnitude).to(torch.float8_e4m3fn).reshape(M, K)
+    else:
+        codes = _e2m1_code_reference(scaled.abs().nan_to_num(0.0))
+        codes = (codes | torch.where((blocks < 0) & (codes > 0), 8, 0)).reshape(M, K // 2, 2)
+        data = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
+
+
+# ---- the 5D scale layout ----
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) scales -> (ceil(rows / 128), ceil(cols / 4), 32, 4, 4), zero padded: row
+    r = 128 i + 32 b + a and column c = 4 j + k land at [i, j, a, b, k]."""
+    rows, cols = scales.shape
+    R, C = triton.cdiv(rows, 128), triton.cdiv(cols, 4)
+    padded = scales.new_zeros((R * 128, C * 4))
+    padded[:rows, :cols] = scales
+    return padded.reshape(R, 4, 32, C, 4).permute(0, 3, 2, 1, 4).contiguous()
+
+
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of to_blocked: the (rows, cols) scales."""
+    R, C = blocked.shape[:2]
+    return blocked.permute(0, 3, 2, 1, 4).reshape(R * 128, C * 4)[:rows, :cols].contiguous()

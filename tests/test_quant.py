@@ -1,0 +1,168 @@
+"""tritonformer.quant: the Triton quantize kernel against the PyTorch reference, bit for bit, and
+the formats' own properties (round trips, error bounds, special values, the 5D scale layout)."""
+
+import math
+
+import pytest
+import torch
+
+from tritonformer import quant
+
+FORMATS = list(quant.FORMATS)
+E2M1 = torch.tensor(quant.E2M1_VALUES)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _assert_same(q: quant.QuantizedTensor, r: quant.QuantizedTensor):
+    assert q.data.dtype == r.data.dtype and q.scales.dtype == r.scales.dtype
+    assert torch.equal(_bits(q.scales), _bits(r.scales))
+    assert torch.equal(_bits(q.data), _bits(r.data))
+    if q.tensor_scale is not None:
+        assert torch.equal(q.tensor_scale, r.tensor_scale)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_equals_reference_bit_for_bit(fmt, dtype, device):
+    # Rows over twelve orders of magnitude, odd row count, K of several blocks.
+    top = 4 if dtype == torch.float16 else 6  # float16 ends at 65504
+    x = torch.randn(7, 96, device=device) * torch.logspace(-top, top, 7, device=device)[:, None]
+    x = x.to(dtype)
+    q = quant.quantize(x, fmt)
+    _assert_same(q, quant.quantize_reference(x, fmt))
+    assert q.data.shape == ((7, 96) if fmt == "mxfp8" else (7, 48))
+    assert q.scales.shape == (7, 96 // q.block)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_other_axis_and_batch_dims(fmt, device):
+    x = torch.randn(3, 64, 5, device=device)
+    q = quant.quantize(x, fmt, axis=1)
+    _assert_same(q, quant.quantize_reference(x, fmt, axis=1))
+    out = quant.dequantize(q)
+    assert out.shape == x.shape
+    expected = quant.dequantize(quant.quantize(x.movedim(1, -1).contiguous(), fmt)).movedim(-1, 1)
+    assert torch.equal(out, expected)
+
+
+def _representable(fmt, M, K, device):
+    """Values each format holds exactly, with block scales its quantizer picks back."""
+    vec = quant.FORMATS[fmt][0]
+    blocks = K // vec
+    if fmt == "mxfp8":
+        elements = torch.randn(M, K).to(torch.float8_e4m3fn).float()
+        elements[:, ::vec] = 448.0  # the block amax fixes the scale: 2^(8 - 8) = 1 times 2^e
+    else:
+        elements = E2M1[torch.randint(0, 8, (M, K))] * (torch.randint(0, 2, (M, K)) * 2 - 1)
+        elements[:, ::vec] = 6.0
+    if fmt == "nvfp4":
+        # Block scales c (e4m3 values, one of them 448): the tensor amax is 6 * 448, so the
+        # tensor scale is 1 and each block's scale is its c again.
+        c = torch.rand(M, blocks).mul(448).to(torch.float8_e4m3fn).float().clamp(min=2.0**-6)
+        c[0, 0] = 448.0
+    else:
+        c = torch.exp2(torch.randint(-20, 20, (M, blocks)).float())
+    return (elements.reshape(M, blocks, vec) * c[..., None]).reshape(M, K).to(device)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_representable_values_round_trip_exactly(fmt, device):
+    x = _representable(fmt, 6, 128, device)
+    assert torch.equal(quant.dequantize(quant.quantize(x, fmt)), x)
+
+
+def _spacing(fmt_elem: str, y: torch.Tensor) -> torch.Tensor:
+    if fmt_elem == "e4m3":
+        exp = torch.floor(torch.log2(y.clamp(min=2.0**-6)))
+        return torch.exp2(exp - 3)
+    return torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_mx_error_within_half_a_step_or_the_saturation(fmt, device):
+    x = torch.randn(16, 256, device=device).double() * 3
+    q = quant.quantize(x.float(), fmt)
+    scale = torch.exp2(q.scales.double() - 127).repeat_interleave(32, dim=1)
+    y = x.abs() / scale
+    top = quant.FORMATS[fmt][1]
+    bound = torch.where(y > top, y - top, _spacing("e4m3" if fmt == "mxfp8" else "e2m1", y.clamp(max=top)) / 2)
+    err = (quant.dequantize(q).double() - x).abs() / scale
+    assert (err <= bound + 1e-9).all()
+
+
+def test_nvfp4_error_within_half_a_step(device):
+    x = torch.randn(16, 256, device=device) * 3
+    q = quant.quantize(x, "nvfp4")
+    scale = (q.scales.double() * q.tensor_scale.double()).repeat_interleave(16, dim=1)
+    y = x.double().abs() / scale
+    err = (quant.dequantize(q).double() - x.double()).abs() / scale
+    # Block scales round to e4m3 (3 mantissa bits), so amax / scale reaches 6 * (1 + 2^-4).
+    bound = torch.where(y > 6, y - 6, _spacing("e2m1", y.clamp(max=6)) / 2)
+    assert (err <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_mx_special_blocks(fmt, device):
+    x = torch.randn(4, 96, device=device)
+    x[0, :32] = 0.0                      # all-zero block
+    x[1, 5] = float("nan")               # NaN block
+    x[2, 40] = float("inf")              # inf block
+    x[3, :32] = 1e-40                    # subnormal block (float32)
+    x[3, 64:] = 1e30                     # far beyond the element's max: a large scale
+    q = quant.quantize(x, fmt)
+    _assert_same(q, quant.quantize_reference(x, fmt))
+    out = quant.dequantize(q)
+    assert q.scales[0, 0] == 127 + quant.MIN_SCALE_EXP and (out[0, :32] == 0).all()
+    assert q.scales[1, 0] == quant.NAN_SCALE and out[1, :32].isnan().all() and not out[1, 32:].isnan().any()
+    assert q.scales[2, 1] == quant.NAN_SCALE and out[2, 32:64].isnan().all()
+    assert (out[3, :32] == 0).all()  # float32 subnormals flush to zero
+    assert torch.allclose(out[3, 64:], x[3, 64:], rtol=0.25)
+
+
+def test_bf16_subnormals_and_large_values(device):
+    x = torch.tensor([[2.0**-133, -(2.0**-130), 2.0**-120] + [0.0] * 29, [3e38] + [1.0] * 31],
+                     device=device).to(torch.bfloat16)
+    for fmt in ("mxfp8", "mxfp4"):
+        q = quant.quantize(x, fmt)
+        _assert_same(q, quant.quantize_reference(x, fmt))
+        out = quant.dequantize(q)
+        assert torch.isfinite(out).all()
+        assert out[0, 0] == 0 and out[0, 1] == 0  # subnormals flush to zero
+        assert math.isclose(out[1, 0].item(), x[1, 0].float().item(), rel_tol=0.3)
+
+
+def test_nvfp4_zero_tensor_and_tiny_blocks(device):
+    zero = torch.zeros(2, 32, device=device)
+    q = quant.quantize(zero, "nvfp4")
+    assert q.tensor_scale.item() == 1.0 and (quant.dequantize(q) == 0).all()
+    x = torch.randn(2, 32, device=device)
+    x[0, :16] *= 1e-9  # the block scale underflows e4m3: zero elements, no NaN
+    q = quant.quantize(x, "nvfp4")
+    _assert_same(q, quant.quantize_reference(x, "nvfp4"))
+    assert torch.isfinite(quant.dequantize(q)).all()
+
+
+def test_blocked_layout_round_trip_and_index_map(device):
+    rows, cols = 300, 10
+    scales = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, device=device)
+    blocked = quant.to_blocked(scales)
+    assert blocked.shape == (3, 3, 32, 4, 4)
+    assert torch.equal(quant.from_blocked(blocked, rows, cols), scales)
+    r, c = 128 * 1 + 32 * 2 + 5, 4 * 2 + 1
+    assert blocked[1, 2, 5, 2, 1] == scales[r, c]
+    padded = quant.from_blocked(blocked, 384, 12)
+    assert (padded[rows:] == 0).all() and (padded[:, cols:] == 0).all()
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (lambda d: quant.quantize(torch.randn(4, 40, device=d), "mxfp8"), ValueError, "not a multiple of 32"),
+    (lambda d: quant.quantize(torch.randn(4, 24, device=d), "nvfp4"), ValueError, "not a multiple of 16"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "fp4"), ValueError, "fmt must be one of mxfp8"),
+    (lambda d: quant.quantize(torch.ones(4, 32, dtype=torch.int32, device=d), "mxfp8"), TypeError, "x"),
+])
+def test_bad_input_is_named(bad, error, match, device):
+    with pytest.raises(error, match=match):
+        bad(device)

@@ -1,0 +1,69 @@
+"""scaled_matmul against dequantize-then-matmul in float32."""
+
+import pytest
+import torch
+
+from tritonformer import quant
+from tritonformer.ops.scaled_matmul import scaled_matmul, scaled_matmul_reference
+
+
+def _relative_error(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 17])
+def test_bf16_activations_times_quantized_weight(fmt, M, device):
+    N, K = 45, 128
+    weight = torch.randn(N, K, device=device)
+    w = quant.quantize(weight, fmt, axis=1)  # nn.Linear's layout: x @ w.T
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    out = scaled_matmul(x, w)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    ref = scaled_matmul_reference(x, w, torch.float32)
+    assert _relative_error(out, ref) <= 4e-3  # the bf16 output's rounding
+    out32 = scaled_matmul(x, w, out_dtype=torch.float32)
+    assert _relative_error(out32, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp8", "mxfp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"),
+                                         ("mxfp8", "mxfp4")])
+def test_both_operands_block_scaled(fmt_a, fmt_b, device):
+    M, N, K = 33, 50, 96
+    a = quant.quantize(torch.randn(M, K, device=device), fmt_a)
+    b = quant.quantize(torch.randn(K, N, device=device) * 3, fmt_b, axis=0)  # (K, N): a @ b
+    bias = torch.randn(N, device=device)
+    out = scaled_matmul(a, b, out_dtype=torch.float32, bias=bias)
+    ref = scaled_matmul_reference(a, b, torch.float32, bias=bias)
+    assert out.shape == (M, N)
+    assert _relative_error(out, ref) <= 1e-5
+
+
+def test_bad_input_is_named(device):
+    w = quant.quantize(torch.randn(8, 64, device=device), "mxfp8", axis=1)
+    with pytest.raises(ValueError, match="a has K = 32 but b has K = 64"):
+        scaled_matmul(torch.randn(4, 32, device=device).to(torch.bfloat16), w)
+    with pytest.raises(TypeError, match="a"):
+        scaled_matmul(torch.randn(4, 64, device=device), w)
+    with pytest.raises(TypeError, match="b must be a tritonformer.quant.QuantizedTensor"):
+        scaled_matmul(torch.randn(4, 64, device=device).to(torch.bfloat16), torch.randn(8, 64, device=device))
+    with pytest.raises(ValueError, match="bias must be"):
+        scaled_matmul(torch.randn(4, 64, device=device).to(torch.bfloat16), w, bias=torch.randn(3, device=device))
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_quantized_linear_from_linear(fmt, device):
+    import tritonformer.nn as tnn
+
+    linear = torch.nn.Linear(64, 24).to(device)
+    layer = tnn.QuantizedLinear.from_linear(linear, fmt)
+    x = torch.randn(2, 3, 64, device=device).to(torch.bfloat16)
+    out = layer(x)
+    assert out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
+    ref = scaled_matmul_reference(x.reshape(-1, 64), layer.weight, torch.float32, bias=linear.bias.detach())
+    assert _relative_error(out.reshape(-1, 24), ref) <= 4e-3
+    # The quantized weight is close to the float one, and the state_dict reloads.
+    assert _relative_error(layer.weight.dequantize(), linear.weight.detach()) < 0.2
+    fresh = tnn.QuantizedLinear(64, 24, fmt, device=device)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x), out)
