@@ -288,3 +288,21 @@ def test_float32_weights_under_autocast(device):
     for name in grads[2]:
         ours, hf_autocast = (_relative_error(g[name], grads[2][name]) for g in grads[:2])
         assert ours <= max(factor * hf_autocast, 1e-2), (name, ours, hf_autocast)
+
+
+def test_packed_batch_through_hf_kwargs_matches_separate_sequences(device, spy_attention):
+    """Training without padding: sequences concatenated in one row, position_ids restarting and
+    cu_seq_lens (as DataCollatorWithFlattening gives them) run the varlen kernels."""
+    model, _ = _models()
+    model.to(device).eval()
+    lens = [5, 9, 2]
+    seqs = [_ids(device, B=1, S=n) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lens])[None]
+    cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    with torch.no_grad():
+        out = model(packed, position_ids=position_ids, **kwargs).logits
+        separate = torch.cat([model(s).logits for s in seqs], dim=1)
+    assert_close(out, separate.double(), torch.float32)
+    assert spy_attention[0] == (sum(lens), 4, 32)  # the packed call: q as (total, heads, head_dim)
