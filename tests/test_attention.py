@@ -146,13 +146,17 @@ def test_compiles_forward_and_backward_without_graph_break(device):
         assert_close(g, r, torch.float32, compare="norm")
 
 
+def _changed(args: dict, changes: dict) -> dict:
+    """args with each named entry replaced: by fn(old) for a callable, else by the value."""
+    for name, fn in changes.items():
+        args[name] = fn(args[name]) if callable(fn) else fn
+    return args
+
+
 def _bad(**changes):
     def make(device):
         q, k, v = _qkv(device, H=4, H_kv=2, grad=False)
-        args = dict(q=q, k=k, v=v)
-        for name, fn in changes.items():
-            args[name] = fn(args[name]) if callable(fn) else fn
-        return args
+        return _changed(dict(q=q, k=k, v=v), changes)
     return make
 
 
@@ -313,10 +317,7 @@ def test_varlen_values_are_checked_again_after_an_in_place_change(device):
 def _bad_varlen(**changes):
     def make(device):
         (q, k, v), kw = _packed(device, [3, 5], [4, 6])
-        args = dict(q=q.detach(), k=k.detach(), v=v.detach(), **kw)
-        for name, fn in changes.items():
-            args[name] = fn(args[name]) if callable(fn) else fn
-        return args
+        return _changed(dict(q=q.detach(), k=k.detach(), v=v.detach(), **kw), changes)
     return make
 
 

@@ -336,6 +336,24 @@ def _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN: tl.constexpr):
     return q_start, len_q, k_start, len_k
 
 
+@triton.jit
+def _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """The query block of a program of the (query block, batch * head) grid: (b, h, kv head,
+    sequence bounds as _sequence gives them, first query row). Causal grids run the longest
+    rows first, so that the last programs to start are the short ones."""
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // H_kv)
+    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
+    return b, h, hk, q_start, len_q, k_start, len_k, pid_m * BLOCK_M
+
+
 @runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
@@ -352,17 +370,8 @@ def _attention_fwd_kernel(
 ):
     """S_q, S_k are the lengths of every sequence, or with VARLEN the longest ones (the grid's
     extent); a sequence's rows start at row q_start / k_start of the packed tensors."""
-    if CAUSAL:
-        # The longest rows first: the last programs to start are the short ones.
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // (H // H_kv)
-    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
-    start_m = pid_m * BLOCK_M
+    b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
+                                                                     CAUSAL, VARLEN, BLOCK_M)
     if VARLEN:
         if start_m >= len_q:
             return
@@ -519,16 +528,8 @@ def _attention_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block: streams the key blocks of the band, as the forward does."""
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // (H // H_kv)
-    q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
-    start_m = pid_m * BLOCK_M
+    b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
+                                                                     CAUSAL, VARLEN, BLOCK_M)
     if VARLEN:
         if start_m >= len_q:
             return
