@@ -2,7 +2,8 @@
 # One device call: the GPU test suite, then the benchmark. Logs and results go under $OUT.
 # Usage (on the device machine, repo root): bash scripts/gpu_check.sh [bench args...]
 # Environment: SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; PYTEST_ARGS picks tests (default: all);
-# TEST_TIMEOUT caps the test part in seconds, so that the bench still runs within one device call.
+# TEST_TIMEOUT caps the test part in seconds, so that the bench still runs within one device call;
+# E2E=1 adds the end-to-end training benchmark (bench e2e) after the op benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/tritonformer-gpu}
 mkdir -p "$OUT"
@@ -19,4 +20,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m tritonformer bench --out "$OUT/${BENCH_DIR:-bench}" "$@" 2>&1 | tee "$OUT/${BENCH_DIR:-bench}.log" | tail -60
+fi
+if [ "${E2E:-0}" = 1 ]; then
+  python3 -m tritonformer bench e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -15
 fi
