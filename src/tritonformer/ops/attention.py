@@ -123,7 +123,8 @@ def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
     """Keep configs whose tiles fit the H100's 227 KiB of shared memory (with some slack);
     `tile_rows(bm, bn, stages)` counts the BLOCK_D-wide rows held, pipelined ones per stage.
     In 16-bit dtypes, also drop the configs that spill too many registers at this head dim
-    (_SPILL_FREE_UP_TO), unless that would leave none; float32 gets the smallest tiles only."""
+    (_SPILL_FREE_UP_TO), unless that would leave none, and keep the measured winners where the
+    sweep has them (_MEASURED_BEST); float32 gets the smallest tiles only."""
     block_d, elt = kwargs["BLOCK_D"], named_args["q_ptr"].element_size()
     kept = [c for c in configs
             if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
@@ -135,7 +136,30 @@ def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
         return [smallest]
     clean = [c for c in kept if block_d <= _SPILL_FREE_UP_TO.get(
         (kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), block_d)]
+    measured = _MEASURED_BEST.get((kernel, block_d))
+    if measured:
+        # Compile and time only the sweep's winners: a first training step then compiles a
+        # handful of configs, not every one (warm-up time), and the choice is less noisy.
+        winners = [c for c in clean if _config_label(c) in measured]
+        clean = winners or clean
     return clean or kept or [smallest]
+
+
+def _config_label(c) -> str:
+    return f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
+
+
+# The configs within a few percent of the best at some target shape in scripts/sweep_attention.py
+# on the H100 (bf16; S 2048-16384, causal and full), per (kernel, head dim). Head dims not listed
+# autotune over the whole pruned list.
+_MEASURED_BEST = {
+    ("fwd", 128): ("128x64:w8:s3", "128x64:w8:s4"),
+    ("fwd", 64): ("128x64:w8:s3", "128x64:w8:s4", "64x64:w4:s4"),
+    ("dkdv", 128): ("64x128:w8:s3", "64x128:w8:s2", "32x64:w4:s3"),
+    ("dkdv", 64): ("32x64:w4:s3", "64x128:w8:s2"),
+    ("dq", 128): ("128x64:w8:s3", "64x64:w4:s2", "128x128:w8:s2"),
+    ("dq", 64): ("64x64:w4:s3", "128x32:w4:s3", "128x64:w8:s3"),
+}
 
 
 def _prune_fwd(configs, named_args, **kwargs):
