@@ -1,4 +1,5 @@
 import os
+import zlib
 
 # Every output buffer a launcher allocates starts as NaN, so an unwritten element fails.
 os.environ["TRITONFORMER_POISON"] = "1"
@@ -18,8 +19,9 @@ def device() -> str:
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    # A different seed per test, stable per test id: fresh data, reproducible failures.
-    torch.manual_seed(hash(request.node.nodeid) % 2**31)
+    # A different seed per test, stable per test id: fresh data, reproducible failures. (crc32,
+    # not hash(): Python salts str hashes per process, which made the data change run to run.)
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (large shapes, compiled kernels)")

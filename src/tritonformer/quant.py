@@ -135,7 +135,10 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
         scale = _round_e4m3(amax / 6.0 / s)
         tl.store(scale_ptr + row * n_blocks + blk, scale.to(tl.float8e4nv), mask=blk < n_blocks)
         denom = scale * s
-        inv = tl.where(denom > 0, 1.0 / tl.maximum(denom, 1e-38), 0.0)
+        # IEEE division (Triton's plain fp32 `/` is approximate on the GPU): exact ties, such as
+        # 5.0 between e2m1's 4 and 6, stay exact and round to even.
+        safe = tl.where(denom > 0, denom, 1.0)
+        y = tl.where(denom[:, None] > 0, tl.math.div_rn(a, safe[:, None]), 0.0)
     else:
         # tl.max skips NaN: count them.
         finite = (amax <= 3.4028234663852886e38) & (tl.sum((x != x).to(tl.int32), axis=1) == 0)
@@ -144,7 +147,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
         byte = tl.where(finite, exp + 127, 255)
         tl.store(scale_ptr + row * n_blocks + blk, byte.to(tl.uint8), mask=blk < n_blocks)
         inv = tl.where(finite, _pow2(-exp), 0.0)
-    y = tl.where(inv[:, None] > 0, a, 0.0) * inv[:, None]
+        y = tl.where(inv[:, None] > 0, a, 0.0) * inv[:, None]
     negative = x < 0
     if FMT == "mxfp8":
         q = _round_e4m3(tl.minimum(y, 448.0))
@@ -251,10 +254,9 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTe
         s = torch.where(t_amax > 0, t_amax.float() / NVFP4_TENSOR_DIV, torch.ones((), device=x.device))
         tensor_scale = s.reshape(1)
         scales = (amax.float() / 6.0 / s).to(torch.float8_e4m3fn)
-        # The recipe's arithmetic is float32: the element scale's reciprocal, then a product.
+        # The recipe's arithmetic is float32: x / (block scale * tensor scale), correctly rounded.
         denom = scales.float() * s
-        inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
-        scaled = (blocks.float() * inv[..., None]).double()
+        scaled = torch.where(denom[..., None] > 0, blocks.float() / denom[..., None].clamp(min=1e-38), 0.0).double()
     else:
         finite = torch.isfinite(amax) & ~blocks.isnan().any(-1)
         safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
