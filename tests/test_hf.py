@@ -306,3 +306,11 @@ def test_packed_batch_through_hf_kwargs_matches_separate_sequences(device, spy_a
         separate = torch.cat([model(s).logits for s in seqs], dim=1)
     assert_close(out, separate.double(), torch.float32)
     assert spy_attention[0] == (sum(lens), 4, 32)  # the packed call: q as (total, heads, head_dim)
+
+
+def test_mistral_sliding_window_shorter_than_the_sequence(device):
+    model, reference = _models("mistral", sliding_window=4)
+    model.to(device), reference.to(device)
+    ids = _ids(device)
+    with torch.no_grad():
+        assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)

@@ -19,8 +19,10 @@ What is swapped, per family (FAMILIES):
   module-level function, so it is every model of that family in the process that gets it,
   while the family is patched or a patched model of it is alive);
 - attention: `nn.attention_forward`, registered as "tritonformer" in HF's AttentionInterface
-  with SDPA's mask builder (so no mask is made for plain causal batches, and padding masks
-  still reach it: they go through torch's SDPA);
+  with SDPA's mask builder: plain causal batches (and windows longer than the sequence) get no
+  mask and run our kernel, packed batches with cu_seq_lens run its varlen form, and whenever HF
+  builds a mask (padding, a sliding window shorter than the sequence, packing told by
+  position_ids alone) the call goes through torch's SDPA with that mask;
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
