@@ -20,7 +20,6 @@ import os
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -7,7 +7,6 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from tritonformer import runtime
 from tritonformer.ops import norm, rope, softmax, swiglu
 
 dev, bf16 = "cuda", torch.bfloat16

@@ -551,7 +551,7 @@ def matmul(
             torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         except RuntimeError:
             raise ValueError(f"batch dims of a {tuple(a.shape[:-2])} and b {tuple(b.shape[:-2])} do not broadcast") from None
-    M, N = a.shape[-2], b.shape[-1]
+    N = b.shape[-1]
     if bias is not None:
         runtime.check_tensor("bias", bias, runtime.FLOAT_DTYPES)
         if bias.shape != (N,):
