@@ -314,3 +314,41 @@ def test_mistral_sliding_window_shorter_than_the_sequence(device):
     ids = _ids(device)
     with torch.no_grad():
         assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)
+
+
+def test_non_silu_mlp_keeps_hf_activation(device):
+    model, reference = _models(hidden_act="gelu")
+    model.to(device), reference.to(device)
+    ids = _ids(device)
+    with torch.no_grad():
+        assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)
+
+
+def test_return_dict_false_and_ignore_index_in_training(device):
+    model, reference = _models()
+    model.to(device).train(), reference.to(device).train()
+    ids = _ids(device)
+    labels = ids.clone()
+    labels[:, ::3] = 7
+    out = model(ids, labels=labels, ignore_index=7, return_dict=False)
+    ref = reference(ids, labels=labels, ignore_index=7, return_dict=False)
+    assert isinstance(out, tuple) and isinstance(ref, tuple)
+    assert_close(out[0], ref[0].double(), torch.float32)
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        assert_close(model(ids, labels=labels, ignore_index=7).loss,
+                     reference(ids, labels=labels, ignore_index=7).loss.double(), torch.float32)
+
+
+def test_unpatch_restores_a_custom_loss_function():
+    model, _ = _models()
+    hf.unpatch(model)
+
+    def my_loss(**kwargs):
+        return torch.zeros(())
+
+    model.loss_function = my_loss
+    hf.patch(model)
+    assert model.loss_function is hf.causal_lm_loss
+    hf.unpatch(model)
+    assert model.loss_function is my_loss

@@ -67,3 +67,16 @@ def test_quantized_linear_from_linear(fmt, device):
     fresh = tnn.QuantizedLinear(64, 24, fmt, device=device)
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x), out)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_quantized_linear_survives_a_dtype_cast(fmt, device):
+    import tritonformer.nn as tnn
+
+    layer = tnn.QuantizedLinear.from_linear(torch.nn.Linear(64, 24).to(device), fmt)
+    x = torch.randn(5, 64, device=device).to(torch.bfloat16)
+    before = layer(x)
+    layer.to(torch.bfloat16)
+    assert layer.weight_data.dtype == torch.uint8 and layer.weight_scales.dtype == torch.uint8
+    assert torch.equal(layer.weight.dequantize(), layer.to(torch.float16).weight.dequantize())
+    assert _relative_error(layer(x), before) < 1e-2  # only the bias was rounded to bf16

@@ -140,31 +140,37 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 class QuantizedLinear(torch.nn.Module):
     """An inference nn.Linear whose weight is block-scaled (mxfp8, mxfp4 or nvfp4, blocks along
     in_features): `QuantizedLinear.from_linear(linear, "nvfp4")`. Inputs are bf16 (..., in);
-    the product runs in `scaled_matmul`. The weight's data and scales are buffers, so `.to()`
-    and state_dict carry them."""
+    the product runs in `scaled_matmul`. The weight's data, scales and tensor scale are integer
+    buffers (their bytes, viewed back when used), so `.to(device)` and state_dict carry them and
+    a dtype cast of the model (`.to(torch.bfloat16)`, `.half()`) leaves them alone; the bias is
+    an ordinary float buffer."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = True, device=None):
         super().__init__()
-        q = quant.quantize(torch.zeros(out_features, in_features, device=device), fmt, axis=1)
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.register_buffer("weight_data", q.data)
-        self.register_buffer("weight_scales", q.scales)
-        self.register_buffer("weight_tensor_scale", q.tensor_scale)
+        self._store(quant.quantize(torch.zeros(out_features, in_features, device=device), fmt, axis=1))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def _store(self, q: quant.QuantizedTensor) -> None:
+        self.register_buffer("weight_data", q.data.view(torch.uint8))
+        self.register_buffer("weight_scales", q.scales.view(torch.uint8))
+        self.register_buffer("weight_tensor_scale",
+                             None if q.tensor_scale is None else q.tensor_scale.view(torch.int32))
+        self._data_dtype, self._scale_dtype = q.data.dtype, q.scales.dtype
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "QuantizedLinear":
         module = cls(linear.in_features, linear.out_features, fmt, linear.bias is not None, linear.weight.device)
-        q = quant.quantize(linear.weight.detach(), fmt, axis=1)
-        module.weight_data, module.weight_scales, module.weight_tensor_scale = q.data, q.scales, q.tensor_scale
+        module._store(quant.quantize(linear.weight.detach(), fmt, axis=1))
         if linear.bias is not None:
             module.bias = linear.bias.detach().clone()
         return module
 
     @property
     def weight(self) -> quant.QuantizedTensor:
-        return quant.QuantizedTensor(self.weight_data, self.weight_scales, self.fmt,
-                                     torch.Size((self.out_features, self.in_features)), 1, self.weight_tensor_scale)
+        tensor_scale = None if self.weight_tensor_scale is None else self.weight_tensor_scale.view(torch.float32)
+        return quant.QuantizedTensor(self.weight_data.view(self._data_dtype), self.weight_scales.view(self._scale_dtype),
+                                     self.fmt, torch.Size((self.out_features, self.in_features)), 1, tensor_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = scaled_matmul(x.reshape(-1, self.in_features), self.weight, out_dtype=x.dtype, bias=self.bias)

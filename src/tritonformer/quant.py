@@ -86,7 +86,8 @@ def _check_format(fmt: str) -> None:
 
 def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
     """x with `axis` moved last, as (rows, K) contiguous."""
-    return x.movedim(axis, -1).reshape(-1, x.shape[axis]).contiguous()
+    K = x.shape[axis]
+    return x.movedim(axis, -1).reshape(x.numel() // K if K else 0, K).contiguous()
 
 
 # ---- the kernel ----
@@ -199,7 +200,7 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
 def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """(rows, K / 2) uint8 -> (rows, K) float32."""
     table = torch.tensor(E2M1_VALUES, device=packed.device)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1]).long()
     values = table[codes & 7]
     return torch.where(codes >= 8, -values, values)
 
@@ -221,7 +222,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         scale = q.scales.float() * q.tensor_scale.float()
     else:
         scale = _e8m0_decode(q.scales)
-    rows = values.reshape(values.shape[0], -1, vec) * scale[..., None]
+    rows = values.reshape(values.shape[0], q.shape[q.axis] // vec, vec) * scale[..., None]
     moved = list(q.shape)
     moved.append(moved.pop(q.axis))
     return rows.reshape(moved).movedim(-1, q.axis).to(dtype)

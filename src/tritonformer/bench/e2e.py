@@ -7,7 +7,8 @@ HF + tritonformer (integrations.hf.patch) and HF + tritonformer + torch.compile.
 child process of its own (Liger and our patch both replace module-level functions of
 transformers, and peak memory is per process), on the same seeded weights and data, with fused
 AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included);
-the step time is the median of the later steps; tokens/s is batch x seq over it.
+the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill and
+generation run the model itself (patched or not), without torch.compile, in every stack.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _sync(device):
 def run_stack(stack: str, sizes: dict) -> dict:
     """One stack's measures (in this process)."""
     import torch
+
+    if sizes["steps"] <= WARMUP_STEPS:
+        raise ValueError(f"steps must exceed the {WARMUP_STEPS} warm-up steps, got {sizes['steps']}")
 
     import tritonformer  # noqa: F401  (before transformers: picks the interpreter without a GPU)
     from tritonformer import runtime

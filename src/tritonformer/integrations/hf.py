@@ -11,13 +11,14 @@
 
 What is swapped, per family (FAMILIES):
 - RMSNorm: `rms_norm` (HF's rounding exactly; Gemma's (1 + weight) through offset=1);
-- the MLP: `swiglu_mlp` when gate/up/down are plain bias-free nn.Linear and autocast is off
+- the MLP, when its activation is SiLU: `swiglu_mlp` when gate/up/down are plain bias-free
+  nn.Linear and autocast is off
   (one fused backward that keeps x, gate(x), up(x)); otherwise the projections run as modules
   (so LoRA adapters on them train, and autocast casts them) with `swiglu` between. Gemma's
   GeGLU MLP is left to HuggingFace;
 - rotary embeddings: the modeling module's `apply_rotary_pos_emb` becomes `apply_rope` (a
   module-level function, so it is every model of that family in the process that gets it,
-  while the family is patched or a patched model of it is alive);
+  while the family is patched or a patched model of it is alive and not unpatched);
 - attention: `nn.attention_forward`, registered as "tritonformer" in HF's AttentionInterface
   with SDPA's mask builder: plain causal batches (and windows longer than the sequence) get no
   mask and run our kernel, packed batches with cu_seq_lens run its varlen form, and whenever HF
@@ -105,12 +106,24 @@ def _is_sharded(weight) -> bool:
     return isinstance(weight, DTensor)
 
 
-def _mlp_forward(self, x):
-    projections = (self.gate_proj, self.up_proj, self.down_proj)
-    if (all(_is_plain_linear(p) and p.bias is None for p in projections)
-            and not torch.is_autocast_enabled(x.device.type)):
-        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+SILU_NAMES = ("silu", "swish")
+
+
+def _mlp_forward(hf_forward):
+    """The MLP's forward through swiglu when its activation is SiLU (HF's otherwise)."""
+
+    @functools.wraps(hf_forward)
+    def forward(self, x):
+        if getattr(self.config, "hidden_act", "silu") not in SILU_NAMES:
+            return hf_forward(self, x)
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if (all(_is_plain_linear(p) and p.bias is None for p in projections)
+                and not torch.is_autocast_enabled(x.device.type)):
+            return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
 
 
 def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -120,18 +133,18 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return apply_rope(q, k, cos, sin, layout=layouts[unsqueeze_dim])
 
 
-def _shifted_labels(labels, shift_labels):
+def _shifted_labels(labels, shift_labels, ignore_index):
     """HF's ForCausalLMLoss targets: labels shifted left by one, the last position ignored."""
     if shift_labels is not None:
         return shift_labels
-    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
                    shift_labels=None, **kwargs):
     """HF's ForCausalLMLoss through tritonformer's cross_entropy (mean over the tokens not ignored,
     or their sum over num_items_in_batch)."""
-    target = _shifted_labels(labels, shift_labels).to(logits.device)
+    target = _shifted_labels(labels, shift_labels, ignore_index).to(logits.device)
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     if num_items_in_batch is None:
@@ -148,22 +161,25 @@ def _causal_lm_forward(hf_forward):
     @functools.wraps(hf_forward)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        # logits_to_keep with labels is HF's to reject (their batch sizes differ).
         fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
-                 and not _is_sharded(self.lm_head.weight))
+                 and not _is_sharded(self.lm_head.weight)
+                 and isinstance(logits_to_keep, int) and logits_to_keep == 0)
         if not fused:
             return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
-        kwargs.pop("ignore_index", None)
+        ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **kwargs)
         hidden = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        hidden = hidden[:, keep, :]
-        target = _shifted_labels(labels, shift_labels)[:, keep].to(hidden.device)
+        target = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
         weight, bias = self.lm_head.weight, self.lm_head.bias
         if torch.is_autocast_enabled(hidden.device.type):
             # What autocast does to an nn.Linear: both operands in its dtype.
@@ -171,10 +187,11 @@ def _causal_lm_forward(hf_forward):
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
-                                          IGNORE_INDEX, num_items_in_batch=num_items_in_batch)
+                                          ignore_index, num_items_in_batch=num_items_in_batch)
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return out if return_dict else out.to_tuple()
 
     forward.tritonformer_wraps = hf_forward
     return forward
@@ -230,8 +247,9 @@ def _patch_family(name: str) -> None:
     family = FAMILIES[name]
     register_attention()
     _set(family.cls("RMSNorm"), "forward", _norm_forward(family))
-    if family.swiglu_mlp:
-        _set(family.cls("MLP"), "forward", _mlp_forward)
+    mlp = family.cls("MLP")
+    if family.swiglu_mlp and (mlp, "forward") not in _CLASS_PATCHES:
+        _set(mlp, "forward", _mlp_forward(mlp.forward))
     causal_lm = family.cls("ForCausalLM")
     if (causal_lm, "forward") not in _CLASS_PATCHES:
         _set(causal_lm, "forward", _causal_lm_forward(causal_lm.forward))
@@ -294,25 +312,30 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     causal_lm = family.cls("ForCausalLM")
     # HF's forward, also when patch_<family>() has already wrapped the class's.
     hf_causal_lm_forward = getattr(causal_lm.forward, "tritonformer_wraps", causal_lm.forward)
+    hf_mlp_forward = getattr(mlp_cls.forward, "tritonformer_wraps", mlp_cls.forward) if mlp_cls else None
     norm_forward = _norm_forward(family)
+    previous_loss = {}
     patched = []
     for module in base.modules():
         if type(module) is norm_cls:
             module.forward = types.MethodType(norm_forward, module)
         elif mlp_cls is not None and type(module) is mlp_cls:
-            module.forward = types.MethodType(_mlp_forward, module)
+            module.forward = types.MethodType(_mlp_forward(hf_mlp_forward), module)
         elif type(module) is causal_lm:
             module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward), module)
+            previous_loss[module] = module.__dict__.get("_loss_function")
             module.loss_function = causal_lm_loss
         else:
             continue
         patched.append(module)
     _patch_rope(family, base)
+    # Restores HF's rope once no patched model of the family is left, unpatched or not.
+    weakref.finalize(base, _unpatch_rope, family)
     previous_attention = base.config._attn_implementation
     if attention:
         register_attention()
         base.set_attn_implementation(ATTENTION_NAME)
-    base._tritonformer = (family, patched, previous_attention if attention else None)
+    base._tritonformer = (family, patched, previous_attention if attention else None, previous_loss)
     return model
 
 
@@ -322,11 +345,14 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(base, "_tritonformer", None)
     if state is None:
         return model
-    family, patched, previous_attention = state
+    family, patched, previous_attention, previous_loss = state
     for module in patched:
         del module.forward
-        if "_loss_function" in module.__dict__:
-            del module._loss_function
+        if module in previous_loss:
+            if previous_loss[module] is None:
+                del module._loss_function
+            else:
+                module._loss_function = previous_loss[module]
     _unpatch_rope(family, base)
     if previous_attention is not None:
         base.set_attn_implementation(previous_attention)

@@ -161,7 +161,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         runtime.check_tensor("bias", bias)
         if bias.shape != (N,):
             raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
-    runtime.check_same_device(a=a_data, b=b.data)
+    runtime.check_same_device(a=a_data, b=b.data, bias=bias)
     c = runtime.empty((M, N), out_dtype, device)
     if M == 0 or N == 0:
         return c
