@@ -185,7 +185,12 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     scales = runtime.empty((M, K // vec), torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8, device)
     tensor_scale = None
     if fmt == "nvfp4":
-        amax = rows.abs().amax().float() if rows.numel() else torch.zeros((), device=device)
+        if rows.numel():
+            # One read of x (abs().amax() would write |x| out first).
+            low, high = rows.aminmax()
+            amax = torch.maximum(high.float(), -low.float())
+        else:
+            amax = torch.zeros((), device=device)
         tensor_scale = torch.where(amax > 0, amax / NVFP4_TENSOR_DIV, torch.ones_like(amax)).reshape(1)
     if M and K:
         blocks = max(1, min(triton.next_power_of_2(K // vec), 4096 // vec))

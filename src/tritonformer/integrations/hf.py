@@ -41,6 +41,8 @@ import types
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..nn import attention_forward
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
@@ -102,7 +104,6 @@ def _is_sharded(weight) -> bool:
     gathered only by its own forward; the fused loss reads the weight directly, so that case
     takes the logits path. (With lm_head in the root unit, as HF's `keep_full_weight` FSDP plan
     has it, the root gathers it before the model's forward and the fused loss sees it whole.)"""
-    from torch.distributed.tensor import DTensor
     return isinstance(weight, DTensor)
 
 
@@ -188,7 +189,6 @@ def _causal_lm_forward(hf_forward):
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, num_items_in_batch=num_items_in_batch)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
         out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out if return_dict else out.to_tuple()
@@ -213,6 +213,11 @@ def register_attention() -> None:
 # any model of it patched by patch() is alive and not unpatched (_ROPE_USERS, weakly held).
 _CLASS_PATCHES: dict[tuple, object] = {}
 _ROPE_USERS: dict[str, weakref.WeakSet] = {}
+
+
+def _hf_forward(cls: type):
+    """cls's HuggingFace forward, also when patch_<family>() has wrapped it."""
+    return getattr(cls.forward, "tritonformer_wraps", cls.forward)
 
 
 def _set(owner, attr: str, value) -> None:
@@ -247,12 +252,11 @@ def _patch_family(name: str) -> None:
     family = FAMILIES[name]
     register_attention()
     _set(family.cls("RMSNorm"), "forward", _norm_forward(family))
-    mlp = family.cls("MLP")
-    if family.swiglu_mlp and (mlp, "forward") not in _CLASS_PATCHES:
-        _set(mlp, "forward", _mlp_forward(mlp.forward))
+    if family.swiglu_mlp:
+        mlp = family.cls("MLP")
+        _set(mlp, "forward", _mlp_forward(_hf_forward(mlp)))
     causal_lm = family.cls("ForCausalLM")
-    if (causal_lm, "forward") not in _CLASS_PATCHES:
-        _set(causal_lm, "forward", _causal_lm_forward(causal_lm.forward))
+    _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm)))
     _patch_rope(family)
 
 
@@ -310,9 +314,8 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     norm_cls = family.cls("RMSNorm")
     mlp_cls = family.cls("MLP") if family.swiglu_mlp else None
     causal_lm = family.cls("ForCausalLM")
-    # HF's forward, also when patch_<family>() has already wrapped the class's.
-    hf_causal_lm_forward = getattr(causal_lm.forward, "tritonformer_wraps", causal_lm.forward)
-    hf_mlp_forward = getattr(mlp_cls.forward, "tritonformer_wraps", mlp_cls.forward) if mlp_cls else None
+    hf_causal_lm_forward = _hf_forward(causal_lm)
+    hf_mlp_forward = _hf_forward(mlp_cls) if mlp_cls else None
     norm_forward = _norm_forward(family)
     previous_loss = {}
     patched = []

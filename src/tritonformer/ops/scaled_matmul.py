@@ -124,13 +124,11 @@ def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-def _operand(name: str, t, reduction_axis: int) -> None:
+def _operand(name: str, t) -> None:
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"{name} must be a tritonformer.quant.QuantizedTensor, got {type(t).__name__}")
     if len(t.shape) != 2:
         raise ValueError(f"{name} must be 2-D, got logical shape {tuple(t.shape)}")
-    if t.axis != reduction_axis and name == "a":
-        raise ValueError(f"a must be quantized along K (axis 1), got axis {t.axis}")
 
 
 def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
@@ -139,11 +137,13 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     QuantizedTensor (M, K) quantized along K; B a QuantizedTensor. K must be a multiple of both
     formats' blocks (it is, for anything quantize accepted). Returns (M, N) in out_dtype
     (bfloat16, float16 or float32), plus bias (N,) when given."""
-    _operand("b", b, 0)
+    _operand("b", b)
     K = b.shape[b.axis]
     N = b.shape[1 - b.axis]
     if isinstance(a, QuantizedTensor):
-        _operand("a", a, 1)
+        _operand("a", a)
+        if a.axis != 1:
+            raise ValueError(f"a must be quantized along K (axis 1), got axis {a.axis}")
         a_fmt, (M, K_a) = a.fmt, a.shape
         a_data, a_scales = a.data, a.scales
     else:
@@ -172,10 +172,11 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
     bm, bn, bk, warps, stages = _launch_shape(M)
-    vec_a = FORMATS[a_fmt][0] if a_fmt in FORMATS else 32
+    # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
+    vec_a = a.block if isinstance(a, QuantizedTensor) else b.block
     bk = max(bk, vec_a, b.block)
-    a_strides = (a_data.stride(0), a_data.stride(1), a_scales.stride(0)) if a_fmt == "bf16" else \
-        (a_data.stride(0), 1, a_scales.stride(0))
+    # Quantized data is stored contiguous, so stride(1) is 1 there.
+    a_strides = (a_data.stride(0), a_data.stride(1), a_scales.stride(0))
     a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
     _launch((triton.cdiv(M, bm), triton.cdiv(N, bn)), a_data, a_scales, b.data, b_scales, c,
             bias if bias is not None else c, tensor_scale if tensor_scale is not None else c,
