@@ -1,6 +1,6 @@
 """Per-kernel timing of the attention kernels over launch configs, on the GPU.
 
-    PYTHONPATH=src python3 scripts/sweep_attention.py [--shapes B,H,S,D,causal;...] [--kernels fwd,dkdv,dq]
+    PYTHONPATH=src python3 scripts/sweep_attention.py [--shapes B,H,S,D,causal[,H_kv];...] [--kernels fwd,dkdv,dq]
         [--extra fwd=128x128:w8:s3,...;dkdv=...] [--json FILE]
 
 For each shape (bf16, the issue's targets by default) the op's own forward and backward are
@@ -70,10 +70,12 @@ def main():
         extra[name] = parse_configs(text)
     rows = []
     for spec in a.shapes.split(";"):
-        B, H, S, D, causal = map(int, spec.split(","))
+        B, H, S, D, causal, *kv = map(int, spec.split(","))
+        H_kv = kv[0] if kv else H
         causal = bool(causal)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        shape = f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}"
+        q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        shape = f"B{B}xH{H}{f'/{H_kv}' if kv else ''}xS{S}xD{D}{'-causal' if causal else ''}"
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
         store = record(q, k, v, causal)
         for name in a.kernels.split(","):
@@ -109,7 +111,7 @@ def main():
             for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
                 def run(*t, backend=getattr(torch.nn.attention.SDPBackend, backend)):
                     with torch.nn.attention.sdpa_kernel(backend):
-                        return sdpa(*t, is_causal=causal)
+                        return sdpa(*t, is_causal=causal, enable_gqa=H_kv != H)
                 yield backend.split("_")[0].lower(), run
 
         for who, f in providers():

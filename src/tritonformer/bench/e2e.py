@@ -6,7 +6,8 @@ Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when importable), HF + tor
 HF + tritonformer (integrations.hf.patch) and HF + tritonformer + torch.compile. Each runs in a
 child process of its own (Liger and our patch both replace module-level functions of
 transformers, and peak memory is per process), on the same seeded weights and data, with fused
-AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included);
+AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included,
+each stack starting from empty Triton and Inductor caches);
 the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill and
 generation run the model itself (patched or not), without torch.compile, in every stack.
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,13 +116,17 @@ def run(out_dir: Path, quick: bool, stacks=STACKS) -> list[dict]:
     """Each stack in a child process; rows (with an `error` for a stack that failed)."""
     sizes = QUICK if quick else FULL
     rows = []
-    for stack in stacks:
+    caches = tempfile.TemporaryDirectory(prefix="tritonformer-e2e-")
+    for i, stack in enumerate(stacks):
         if stack == "hf+liger" and importlib.util.find_spec("liger_kernel") is None:
             rows.append(dict(stack=stack, error="liger_kernel is not installed"))
             continue
         print(f"[e2e] {stack} ...", flush=True)
+        # Empty Triton and Inductor caches: the warm-up is that of a first run, for every stack.
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{caches.name}/{i}/triton",
+                   TORCHINDUCTOR_CACHE_DIR=f"{caches.name}/{i}/inductor")
         proc = subprocess.run([sys.executable, "-m", "tritonformer.bench.e2e", stack, json.dumps(sizes)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -130,6 +137,7 @@ def run(out_dir: Path, quick: bool, stacks=STACKS) -> list[dict]:
         rows.append(row)
         print(f"[e2e] {stack}: {row['tokens_per_s']:.0f} tokens/s, {row['peak_gib']:.2f} GiB, "
               f"warm-up {row['warmup_s']:.1f} s, loss {row['final_loss']:.4f}", flush=True)
+    caches.cleanup()
     write_report(rows, sizes, out_dir)
     return rows
 
@@ -142,7 +150,8 @@ def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
         "# End-to-end training (Llama-style model from a config)", "",
         f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
         f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}, batch {sizes['batch']} x "
-        f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps; "
+        f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps, "
+        "from empty Triton and Inductor caches (a first run); "
         f"prefill of {sizes['prompt']} tokens; greedy generation of {sizes['new_tokens']} tokens.", "",
         "| stack | tokens/s | step ms | peak GiB | warm-up s | loss after the last step | vs HF eager loss | "
         "prefill ms | generation tokens/s |",

@@ -361,16 +361,36 @@ def _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _grouped_block(n_blocks, GROUP_PROGRAMS: tl.constexpr):
+    """(rank, batch * head) of this program of a 1-D grid of n_blocks programs per head. Heads go
+    in groups of about GROUP_PROGRAMS programs, so that the blocks running together share their
+    heads' K/V (or Q/dO) in L2; within a group all its heads' blocks of one rank run before the
+    next rank's, so that a causal grid that maps rank 0 to its longest blocks starts them all
+    first and ends on short ones (a tail of one head's long blocks is what a head-major order
+    leaves)."""
+    pid = tl.program_id(0)
+    n_heads = tl.num_programs(0) // n_blocks
+    heads_per_group = tl.maximum(GROUP_PROGRAMS // n_blocks, 1)
+    per_group = heads_per_group * n_blocks
+    group = pid // per_group
+    first = group * heads_per_group
+    in_group = tl.minimum(heads_per_group, n_heads - first)
+    within = pid - group * per_group
+    return within // in_group, first + within % in_group
+
+
+@triton.jit
 def _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """The query block of a program of the (query block, batch * head) grid: (b, h, kv head,
-    sequence bounds as _sequence gives them, first query row). Causal grids run the longest
-    rows first, so that the last programs to start are the short ones."""
+                 BLOCK_M: tl.constexpr, GROUP_PROGRAMS: tl.constexpr):
+    """The query block of a program of the grid of (query blocks * batch * heads) programs: (b, h,
+    kv head, sequence bounds as _sequence gives them, first query row). Causal grids run the
+    longest rows (the last blocks) first."""
+    n_blocks = tl.cdiv(S_q, BLOCK_M)
+    rank, bh = _grouped_block(n_blocks, GROUP_PROGRAMS)
     if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_m = n_blocks - 1 - rank
     else:
-        pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+        pid_m = rank
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // (H // H_kv)
@@ -390,12 +410,12 @@ def _attention_fwd_kernel(
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """S_q, S_k are the lengths of every sequence, or with VARLEN the longest ones (the grid's
     extent); a sequence's rows start at row q_start / k_start of the packed tensors."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
-                                                                     CAUSAL, VARLEN, BLOCK_M)
+                                                                     CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
         if start_m >= len_q:
             return
@@ -478,13 +498,14 @@ def _attention_bwd_dkdv_kernel(
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
     the query blocks of the band. Works on transposed scores (keys along rows). dK and dV share
     the strides stride_dk*."""
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    # Causal: the first key blocks see the most queries; they start first.
+    rank, bhk = _grouped_block(tl.cdiv(S_k, BLOCK_N), GROUP_PROGRAMS)
+    start_n = rank * BLOCK_N
     b = (bhk // H_kv).to(tl.int64)
     hk = (bhk % H_kv).to(tl.int64)
     group = H // H_kv
@@ -549,11 +570,11 @@ def _attention_bwd_dq_kernel(
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block: streams the key blocks of the band, as the forward does."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
-                                                                     CAUSAL, VARLEN, BLOCK_M)
+                                                                     CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
         if start_m >= len_q:
             return
@@ -600,6 +621,9 @@ def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dic
     D = q.shape[-1]
     return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen,
                 UPCAST=runtime.INTERPRET and q.dtype == torch.bfloat16,
+                # Causal: two programs per SM in a head group (see _grouped_block); otherwise
+                # every block costs the same and one head at a time keeps the most in L2.
+                GROUP_PROGRAMS=2 * runtime.num_sms(q.device.index or 0) if causal else 1,
                 INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(D)))
 
 
@@ -665,7 +689,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     consts = _constexprs(q, causal, window, lay.varlen)
     _launch_fwd(
         _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
-        lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]), lay.B * lay.H),
+        lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
         *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window, **consts,
     )
@@ -710,10 +734,10 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
     key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
     lse_strides = lay.lse_strides(lse)
-    _launch_dkdv(key, lambda meta: (triton.cdiv(lay.S_k, meta["BLOCK_N"]), lay.B * lay.H_kv),
+    _launch_dkdv(key, lambda meta: (triton.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,),
                  q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
                  *lay.strides(dk)[:3], *lse_strides, *scalars, **consts)
-    _launch_dq(key, lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]), lay.B * lay.H),
+    _launch_dq(key, lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
                q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides,
                *lay.strides(dq)[:3], *lse_strides, *scalars, **consts)
     return dq, dk, dv
@@ -724,6 +748,11 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         o, lse = attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k)
+        # The backward's kernels (several configs each) compile while the forward goes on, with
+        # O standing in for dO: a first training step's warm-up.
+        runtime.compile_ahead(("attention_bwd", q.dtype, q.shape[-1], causal, window != NO_WINDOW, cu_seqlens_q is None),
+                              attention_bwd, o, None, q, k, v, o, lse, causal, scale, window, cu_seqlens_q,
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         # An unused output's gradient arrives as None, not as zeros to read.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
