@@ -8,15 +8,19 @@ B's quantized axis is the reduction axis: B of logical shape (K, N) quantized al
 gives A @ B, and (N, K) quantized along axis 1 (a weight in nn.Linear's layout) gives A @ B.T;
 either way it is stored as (N, K) rows. A is (M, K), quantized along K when block-scaled.
 
-Hopper (sm_90) has no block-scaled tensor-core instruction, so each program dequantizes its
-tiles in registers: fp8 e4m3 or e2m1 elements times their block scale are exact in bf16 (e8m0
-scales are powers of two; e2m1 x e4m3 has at most 6 significant bits), the tensor cores take
-bf16 x bf16 with float32 accumulation, and nvfp4's per-tensor scales multiply the accumulator
-once at the end. So the result equals dequantize-then-matmul in float32 up to the order of the
-float32 sums. The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales:
-for small M, where a bf16 matmul is bound by reading the weight, that is the speed-up.
+Hopper (sm_90) has no block-scaled tensor-core instruction. Two schemes, both exact up to the
+order of float32 sums (so the result equals dequantize-then-matmul in float32 to rounding):
+- both operands e8m0-scaled (mxfp8, mxfp4, mixed): e4m3 tensor-core products (fp4 codes become
+  e4m3 codes, exactly, see _element_bytes), one 32-wide scale block at a time, the float32
+  partial sum times the two blocks' scales added to the accumulator;
+- otherwise (bf16 activations, nvfp4): each program dequantizes its tiles in registers to bf16
+  (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in bf16) for bf16 x bf16 products,
+  and nvfp4's per-tensor scales multiply the accumulator once at the end.
+The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales: for small M,
+where a bf16 matmul is bound by reading the weight, that is the speed-up; a grid of few output
+tiles splits K so that every SM streams the weight.
 (tl.dot_scaled, the hardware path of sm_100, is the next step; it does not run under the
-interpreter, while this kernel does.)
+interpreter, while these kernels do.)
 """
 
 from __future__ import annotations
@@ -26,102 +30,162 @@ import triton
 import triton.language as tl
 
 from .. import quant, runtime
-from ..quant import FORMATS, QuantizedTensor, _pow2
+from .matmul import _epilogue_store, _launch_split_k_reduce
+from ..quant import FORMATS, QuantizedTensor
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 
 @triton.jit
-def _e2m1_value(code):
-    """e2m1 code (int32, 0-15, sign in bit 3) -> float32 value."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    magnitude = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e - 1))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexpr, VEC: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K // VEC) float32 block scales from their bytes; rows past n_rows read 0."""
+    blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
+    ok = (rows[:, None] < n_rows) & (blocks[None, :] < K // VEC)
+    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=ok, other=0)
+    if FMT == "nvfp4":
+        # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    exp = raw.to(tl.int32)
+    # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
+    return tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, AS_FP8: tl.constexpr):
+    """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, one code per
+    element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) the code
+    moved to the same bit places of a wider float, where e2m1's subnormal (0.5) lands on the
+    wider format's subnormal, so that the value is exact up to a power of two:
+    AS_FP8: e4m3 bytes worth 2^-6 times the e2m1 value; else float16 bits worth 2^-14 times it."""
+    row_ok = rows[:, None] < n_rows
+    # One return statement: with an early return in the mxfp8 branch the sm_90 compile failed.
+    if FMT == "mxfp8":
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok & (cols[None, :] < K)
+        codes = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0)
+    else:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ok = row_ok & (half[None, :] < K // 2)
+        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
+        if AS_FP8:
+            # sign to bit 7, the 3 magnitude bits to the exponent's low 2 bits and the mantissa's top.
+            lo = ((packed & 0x8) << 4) | ((packed & 0x7) << 2)
+            hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
+            codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.uint8)
+        else:
+            lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+            hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+            codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
+    return codes
 
 
 @triton.jit
 def _dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
                       FMT: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, in float32
-    (nvfp4's tensor scale not applied). Rows past n_rows and columns past K read as zero."""
-    row_ok = rows[:, None] < n_rows
+    """(rows, BLOCK_K) float32 values (nvfp4's tensor scale not applied); out of range reads 0."""
+    codes = _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT, ROWS, BLOCK_K, False)
     if FMT == "mxfp8":
-        cols = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok & (cols[None, :] < K)
-        values = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ok = row_ok & (half[None, :] < K // 2)
-        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
-        lo = _e2m1_value(packed & 0xF)
-        hi = _e2m1_value(packed >> 4)
-        values = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
-    blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
-    s_ok = row_ok & (blocks[None, :] < K // VEC)
-    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=s_ok, other=0)
-    if FMT == "nvfp4":
-        # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
-        scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        exp = raw.to(tl.int32)
-        # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
-        scale = tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
+        values = codes.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    scale = _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT, VEC, BLOCK_K)
     scaled = tl.reshape(values, (ROWS, BLOCK_K // VEC, VEC)) * scale[:, :, None]
     return tl.reshape(scaled, (ROWS, BLOCK_K))
 
 
 @triton.jit
-def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, tensor_scale_ptr,
-                          M, N, K, stride_am, stride_ak, stride_as, stride_bn, stride_bs, stride_cm, stride_cn,
+def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, bias_ptr, tensor_scale_ptr,
+                          M, N, K, k_per_split, stride_am, stride_ak, stride_as, stride_bn, stride_bs,
+                          stride_cm, stride_cn,
                           A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, HAS_TENSOR_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+                          FP8_MMA: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          TENSOR_SCALE: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of C (times the scalar at tensor_scale_ptr when TENSOR_SCALE is 1) over the K range [pid_k * k_per_split, + k_per_split).
+    FP8_MMA (both operands e8m0-scaled, BLOCK_K = 32): e4m3 tensor-core products of one scale
+    block at a time, scaled on the float32 partial sum. Otherwise both tiles are dequantized to
+    bf16 (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in bf16). SPLIT_K > 1
+    writes float32 partial sums to ws (SPLIT_K, M, N) for matmul's split-K reduction."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows_a = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_b = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a64, rows_b64 = rows_a.to(tl.int64), rows_b.to(tl.int64)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if A_FMT == "bf16":
-            cols = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rows_a[:, None].to(tl.int64) * stride_am + cols[None, :] * stride_ak,
-                        mask=(rows_a[:, None] < M) & (cols[None, :] < K), other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if FP8_MMA:
+            a = _element_bytes(a_ptr, rows_a64, M, k0, K, stride_am, A_FMT, BLOCK_M, BLOCK_K, True)
+            b = _element_bytes(b_ptr, rows_b64, N, k0, K, stride_bn, B_FMT, BLOCK_N, BLOCK_K, True)
+            a = a.to(tl.float8e4nv, bitcast=True)
+            b = b.to(tl.float8e4nv, bitcast=True)
             if UPCAST:
-                a = a.to(tl.float32)
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            scale_a = tl.reshape(_block_scales(a_scale_ptr, rows_a64, M, k0, K, stride_as, A_FMT, A_VEC, BLOCK_K),
+                                 (BLOCK_M,))
+            scale_b = tl.reshape(_block_scales(b_scale_ptr, rows_b64, N, k0, K, stride_bs, B_FMT, B_VEC, BLOCK_K),
+                                 (BLOCK_N,))
+            # e2m1 codes as e4m3 are worth 2^-6 of their value (a scale above 2^121, which only
+            # a block whose max exceeds about 2^123 gets, would overflow here).
+            if A_FMT == "mxfp4":
+                scale_a = scale_a * 64.0
+            if B_FMT == "mxfp4":
+                scale_b = scale_b * 64.0
+            acc += tl.dot(a, tl.trans(b)) * (scale_a[:, None] * scale_b[None, :])
         else:
-            a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a.to(tl.int64), M, k0, K, stride_am, stride_as,
-                                  A_FMT, A_VEC, BLOCK_M, BLOCK_K)
+            if A_FMT == "bf16":
+                cols = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_ptr + rows_a64[:, None] * stride_am + cols[None, :] * stride_ak,
+                            mask=(rows_a[:, None] < M) & (cols[None, :] < K), other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+            else:
+                a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a64, M, k0, K, stride_am, stride_as,
+                                      A_FMT, A_VEC, BLOCK_M, BLOCK_K)
+                if not UPCAST:
+                    a = a.to(tl.bfloat16)
+            b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b64, N, k0, K, stride_bn, stride_bs,
+                                  B_FMT, B_VEC, BLOCK_N, BLOCK_K)
             if not UPCAST:
-                a = a.to(tl.bfloat16)
-        b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b.to(tl.int64), N, k0, K, stride_bn, stride_bs,
-                              B_FMT, B_VEC, BLOCK_N, BLOCK_K)
-        if not UPCAST:
-            b = b.to(tl.bfloat16)
-        acc = tl.dot(a, tl.trans(b), acc)
-    if HAS_TENSOR_SCALE:
-        acc = acc * tl.load(tensor_scale_ptr)
+                b = b.to(tl.bfloat16)
+            acc = tl.dot(a, tl.trans(b), acc)
     cols_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_c, mask=cols_c < N, other=0.0).to(tl.float32)[None, :]
-    mask = (rows_a[:, None] < M) & (cols_c[None, :] < N)
-    tl.store(c_ptr + rows_a[:, None].to(tl.int64) * stride_cm + cols_c[None, :] * stride_cn,
-             acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1:
+        offs = (pid_k * M + rows_a64[:, None]) * N + cols_c[None, :]
+        tl.store(ws_ptr + offs, acc, mask=(rows_a[:, None] < M) & (cols_c[None, :] < N))
+    else:
+        _epilogue_store(acc, rows_a, cols_c, M, N, c_ptr, c_ptr, stride_cm, stride_cn, bias_ptr, tensor_scale_ptr,
+                        c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
 
 _launch = runtime.FastLaunch(_scaled_matmul_kernel)
 
 
-def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
+def _launch_shape(M: int, fp8_mma: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small M streams the weight with
-    narrow M tiles; large M takes square tiles (H100 tuning is the next step)."""
+    narrow M tiles (and split-K, see _split_k); large M takes square tiles."""
     if runtime.INTERPRET:
-        return 16, 32, 64, 4, 1
+        return 16, 32, 32 if fp8_mma else 64, 4, 1
+    if fp8_mma:
+        return 128, 128, 32, 8, 5
     if M <= 16:
         # BLOCK_K 256 spills at 255 registers with nvfp4 (offline sm_90 compile); 128 does not.
         return 16, 64, 128, 4, 4
     if M <= 64:
         return 64, 64, 128, 4, 4
     return 128, 128, 64, 8, 3
+
+
+def _split_k(tiles: int, K: int, block_k: int, device) -> int:
+    """K splits so that a grid of few output tiles (small M) still has about four programs per
+    SM streaming the weight; each split keeps at least 1024 of K."""
+    if runtime.INTERPRET:
+        return 2 if K >= 2 * block_k else 1
+    want = triton.cdiv(4 * runtime.num_sms(device.index or 0), tiles)
+    return max(1, min(want, K // 1024, 16))
 
 
 def _operand(name: str, t) -> None:
@@ -171,19 +235,33 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     for t in (a, b):
         if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
-    bm, bn, bk, warps, stages = _launch_shape(M)
+    fp8_mma = a_fmt in ("mxfp8", "mxfp4") and b.fmt in ("mxfp8", "mxfp4")
+    bm, bn, bk, warps, stages = _launch_shape(M, fp8_mma)
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = a.block if isinstance(a, QuantizedTensor) else b.block
     bk = max(bk, vec_a, b.block)
-    # Quantized data is stored contiguous, so stride(1) is 1 there.
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = _split_k(tiles, K, bk, device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=device) if split > 1 else c
+    # Quantized data is stored contiguous, so stride(1) is 1 there; e4m3 bytes go in as uint8.
     a_strides = (a_data.stride(0), a_data.stride(1), a_scales.stride(0))
+    a_data, b_data = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (a_data, b.data))
     a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
-    _launch((triton.cdiv(M, bm), triton.cdiv(N, bn)), a_data, a_scales, b.data, b_scales, c,
-            bias if bias is not None else c, tensor_scale if tensor_scale is not None else c,
-            M, N, K, *a_strides, b.data.stride(0), b.scales.stride(0), c.stride(0), c.stride(1),
-            A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, HAS_BIAS=bias is not None,
-            HAS_TENSOR_SCALE=tensor_scale is not None, UPCAST=runtime.INTERPRET,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    bias_arg = bias if bias is not None else c
+    scale_arg = tensor_scale if tensor_scale is not None else c
+    _launch((triton.cdiv(M, bm), triton.cdiv(N, bn), split), a_data, a_scales, b_data, b_scales, c, ws,
+            bias_arg, scale_arg, M, N, K, k_per_split, *a_strides, b.data.stride(0), b.scales.stride(0),
+            c.stride(0), c.stride(1), A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, FP8_MMA=fp8_mma,
+            SPLIT_K=split, HAS_BIAS=bias is not None, TENSOR_SCALE=int(tensor_scale is not None),
+            UPCAST=runtime.INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if split > 1:
+        block = 32 if runtime.INTERPRET else 64
+        _launch_split_k_reduce((triton.cdiv(M, block), triton.cdiv(N, block)), ws, c, c, bias_arg, scale_arg, c,
+                               M, N, c.stride(0), c.stride(1), 0.0, SPLIT_K=split, HAS_BIAS=bias is not None,
+                               ACTIVATION=0, SCALE_A=int(tensor_scale is not None), SCALE_B=0, STORE_PRE=False,
+                               BLOCK_M=block, BLOCK_N=block)
     return c
 
 
@@ -215,6 +293,8 @@ def _test_cases() -> list[TestCase]:
         return TestCase(id, make, out_dtype, grad=False, gpu_only=gpu_only, compare="norm")
 
     cases = [case(f"bf16-x-{fmt}-{M}x45x96", M, 45, 96, fmt) for fmt in FORMATS for M in (1, 19)]
+    # K long enough to be split (the interpreter splits from 2 blocks of K on).
+    cases += [case(f"bf16-x-{fmt}-split-k-bias-5x33x256", 5, 33, 256, fmt, bias=True) for fmt in FORMATS]
     cases += [case("mxfp8-x-mxfp8-bias-fp32", 33, 40, 64, "mxfp8", "mxfp8", bias=True, out_dtype=torch.float32),
               case("mxfp4-x-mxfp4", 17, 31, 64, "mxfp4", "mxfp4"),
               case("nvfp4-x-nvfp4", 17, 31, 64, "nvfp4", "nvfp4"),
