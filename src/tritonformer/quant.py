@@ -119,11 +119,8 @@ def _e2m1_code(a):
 
 @triton.jit
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
-                     FMT: tl.constexpr, VEC: tl.constexpr, EMAX: tl.constexpr, BLOCKS: tl.constexpr,
-                     HW_E4M3: tl.constexpr):
-    """One row, BLOCKS scale blocks of VEC elements per program along K (K % VEC == 0).
-    HW_E4M3: float32 -> e4m3 by the GPU's conversion (round to nearest even, saturating: one
-    instruction per two elements) instead of the explicit rounding the interpreter needs."""
+                     FMT: tl.constexpr, VEC: tl.constexpr, EMAX: tl.constexpr, BLOCKS: tl.constexpr):
+    """One row, BLOCKS scale blocks of VEC elements per program along K (K % VEC == 0)."""
     row = tl.program_id(0).to(tl.int64)
     first_block = tl.program_id(1) * BLOCKS
     n_blocks = K // VEC
@@ -154,15 +151,9 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
         y = tl.where(inv[:, None] > 0, a, 0.0) * inv[:, None]
     negative = x < 0
     if FMT == "mxfp8":
-        if HW_E4M3:
-            # y is |x| scaled: negate after the conversion's rounding so that zero stays +0.
-            bits = tl.minimum(y, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            bits = tl.where(negative & (bits != 0), bits | 0x80, bits)
-            tl.store(data_ptr + row * K + cols, bits, mask=ok)
-        else:
-            q = _round_e4m3(tl.minimum(y, 448.0))
-            q = tl.where(negative & (q > 0), -q, q)
-            tl.store(data_ptr + row * K + cols, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=ok)
+        q = _round_e4m3(tl.minimum(y, 448.0))
+        q = tl.where(negative & (q > 0), -q, q)
+        tl.store(data_ptr + row * K + cols, q.to(tl.float8e4nv), mask=ok)
     else:
         code = _e2m1_code(y)
         code = code | tl.where(negative & (code > 0), 8, 0)
@@ -203,10 +194,9 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
         tensor_scale = torch.where(amax > 0, amax / NVFP4_TENSOR_DIV, torch.ones_like(amax)).reshape(1)
     if M and K:
         blocks = max(1, min(triton.next_power_of_2(K // vec), 4096 // vec))
-        _launch_quantize((M, triton.cdiv(K // vec, blocks)), rows, data.view(torch.uint8), scales,
+        _launch_quantize((M, triton.cdiv(K // vec, blocks)), rows, data, scales,
                          tensor_scale if tensor_scale is not None else scales, K, rows.stride(0),
-                         FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, HW_E4M3=not runtime.INTERPRET,
-                         num_warps=4)
+                         FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, num_warps=4)
     return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
 
 

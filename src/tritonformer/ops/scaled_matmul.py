@@ -8,14 +8,13 @@ B's quantized axis is the reduction axis: B of logical shape (K, N) quantized al
 gives A @ B, and (N, K) quantized along axis 1 (a weight in nn.Linear's layout) gives A @ B.T;
 either way it is stored as (N, K) rows. A is (M, K), quantized along K when block-scaled.
 
-Hopper (sm_90) has no block-scaled tensor-core instruction. Two schemes, both exact up to the
-order of float32 sums (so the result equals dequantize-then-matmul in float32 to rounding):
-- both operands e8m0-scaled (mxfp8, mxfp4, mixed): e4m3 tensor-core products (fp4 codes become
-  e4m3 codes, exactly, see _element_bytes), one 32-wide scale block at a time, the float32
-  partial sum times the two blocks' scales added to the accumulator;
-- otherwise (bf16 activations, nvfp4): each program dequantizes its tiles in registers to bf16
-  (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in bf16) for bf16 x bf16 products,
-  and nvfp4's per-tensor scales multiply the accumulator once at the end.
+Hopper (sm_90) has no block-scaled tensor-core instruction, so each program dequantizes its
+tiles in registers to bf16 (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in
+bf16), the tensor cores take bf16 x bf16 with float32 accumulation, and nvfp4's per-tensor scales
+multiply the accumulator once at the end: the result equals dequantize-then-matmul in float32 up
+to the order of the float32 sums. (e4m3 tensor-core products per 32-wide scale block, the
+partial sums scaled in float32, measured 134 TFLOP/s against this scheme's 243 at 8192^3 on the
+H100: see docs/perf-notes.md.)
 The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales: for small M,
 where a bf16 matmul is bound by reading the weight, that is the speed-up; a grid of few output
 tiles splits K so that every SM streams the weight.
@@ -52,12 +51,11 @@ def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexp
 
 @triton.jit
 def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_K: tl.constexpr, AS_FP8: tl.constexpr):
+                   BLOCK_K: tl.constexpr):
     """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, one code per
-    element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) the code
-    moved to the same bit places of a wider float, where e2m1's subnormal (0.5) lands on the
-    wider format's subnormal, so that the value is exact up to a power of two:
-    AS_FP8: e4m3 bytes worth 2^-6 times the e2m1 value; else float16 bits worth 2^-14 times it."""
+    element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) float16 bits
+    worth 2^-14 times the value: the sign and the 3 magnitude bits moved to float16's places, where
+    e2m1's subnormal (0.5) lands on float16's subnormal, so no arithmetic decodes them."""
     row_ok = rows[:, None] < n_rows
     # One return statement: with an early return in the mxfp8 branch the sm_90 compile failed.
     if FMT == "mxfp8":
@@ -68,15 +66,9 @@ def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr
         half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok & (half[None, :] < K // 2)
         packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
-        if AS_FP8:
-            # sign to bit 7, the 3 magnitude bits to the exponent's low 2 bits and the mantissa's top.
-            lo = ((packed & 0x8) << 4) | ((packed & 0x7) << 2)
-            hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
-            codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.uint8)
-        else:
-            lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
-            hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
-            codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
+        lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+        hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+        codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
     return codes
 
 
@@ -84,7 +76,7 @@ def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr
 def _dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
                       FMT: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """(rows, BLOCK_K) float32 values (nvfp4's tensor scale not applied); out of range reads 0."""
-    codes = _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT, ROWS, BLOCK_K, False)
+    codes = _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT, ROWS, BLOCK_K)
     if FMT == "mxfp8":
         values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -99,14 +91,12 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
                           M, N, K, k_per_split, stride_am, stride_ak, stride_as, stride_bn, stride_bs,
                           stride_cm, stride_cn,
                           A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
-                          FP8_MMA: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           TENSOR_SCALE: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of C (times the scalar at tensor_scale_ptr when TENSOR_SCALE is 1) over the K range [pid_k * k_per_split, + k_per_split).
-    FP8_MMA (both operands e8m0-scaled, BLOCK_K = 32): e4m3 tensor-core products of one scale
-    block at a time, scaled on the float32 partial sum. Otherwise both tiles are dequantized to
-    bf16 (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in bf16). SPLIT_K > 1
-    writes float32 partial sums to ws (SPLIT_K, M, N) for matmul's split-K reduction."""
+    """One (BLOCK_M, BLOCK_N) tile of C over the K range [pid_k * k_per_split, + k_per_split),
+    times the scalar at tensor_scale_ptr when TENSOR_SCALE is 1. SPLIT_K > 1 writes float32
+    partial sums to ws (SPLIT_K, M, N) for matmul's split-K reduction instead."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -117,41 +107,22 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if FP8_MMA:
-            a = _element_bytes(a_ptr, rows_a64, M, k0, K, stride_am, A_FMT, BLOCK_M, BLOCK_K, True)
-            b = _element_bytes(b_ptr, rows_b64, N, k0, K, stride_bn, B_FMT, BLOCK_N, BLOCK_K, True)
-            a = a.to(tl.float8e4nv, bitcast=True)
-            b = b.to(tl.float8e4nv, bitcast=True)
+        if A_FMT == "bf16":
+            cols = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rows_a64[:, None] * stride_am + cols[None, :] * stride_ak,
+                        mask=(rows_a[:, None] < M) & (cols[None, :] < K), other=0.0)
             if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            scale_a = tl.reshape(_block_scales(a_scale_ptr, rows_a64, M, k0, K, stride_as, A_FMT, A_VEC, BLOCK_K),
-                                 (BLOCK_M,))
-            scale_b = tl.reshape(_block_scales(b_scale_ptr, rows_b64, N, k0, K, stride_bs, B_FMT, B_VEC, BLOCK_K),
-                                 (BLOCK_N,))
-            # e2m1 codes as e4m3 are worth 2^-6 of their value (a scale above 2^121, which only
-            # a block whose max exceeds about 2^123 gets, would overflow here).
-            if A_FMT == "mxfp4":
-                scale_a = scale_a * 64.0
-            if B_FMT == "mxfp4":
-                scale_b = scale_b * 64.0
-            acc += tl.dot(a, tl.trans(b)) * (scale_a[:, None] * scale_b[None, :])
+                a = a.to(tl.float32)
         else:
-            if A_FMT == "bf16":
-                cols = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_ptr + rows_a64[:, None] * stride_am + cols[None, :] * stride_ak,
-                            mask=(rows_a[:, None] < M) & (cols[None, :] < K), other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-            else:
-                a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a64, M, k0, K, stride_am, stride_as,
-                                      A_FMT, A_VEC, BLOCK_M, BLOCK_K)
-                if not UPCAST:
-                    a = a.to(tl.bfloat16)
-            b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b64, N, k0, K, stride_bn, stride_bs,
-                                  B_FMT, B_VEC, BLOCK_N, BLOCK_K)
+            a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a64, M, k0, K, stride_am, stride_as,
+                                  A_FMT, A_VEC, BLOCK_M, BLOCK_K)
             if not UPCAST:
-                b = b.to(tl.bfloat16)
-            acc = tl.dot(a, tl.trans(b), acc)
+                a = a.to(tl.bfloat16)
+        b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b64, N, k0, K, stride_bn, stride_bs,
+                              B_FMT, B_VEC, BLOCK_N, BLOCK_K)
+        if not UPCAST:
+            b = b.to(tl.bfloat16)
+        acc = tl.dot(a, tl.trans(b), acc)
     cols_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K > 1:
         offs = (pid_k * M + rows_a64[:, None]) * N + cols_c[None, :]
@@ -164,19 +135,18 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
 _launch = runtime.FastLaunch(_scaled_matmul_kernel)
 
 
-def _launch_shape(M: int, fp8_mma: bool) -> tuple[int, int, int, int, int]:
+def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small M streams the weight with
     narrow M tiles (and split-K, see _split_k); large M takes square tiles."""
     if runtime.INTERPRET:
-        return 16, 32, 32 if fp8_mma else 64, 4, 1
-    if fp8_mma:
-        return 128, 128, 32, 8, 5
+        return 16, 32, 64, 4, 1
     if M <= 16:
         # BLOCK_K 256 spills at 255 registers with nvfp4 (offline sm_90 compile); 128 does not.
         return 16, 64, 128, 4, 4
     if M <= 64:
         return 64, 64, 128, 4, 4
-    return 128, 128, 64, 8, 3
+    # 128 x 256 measured 207 against 184 TFLOP/s for nvfp4 x nvfp4 at 8192^3.
+    return 128, 256, 64, 8, 3
 
 
 def _split_k(tiles: int, K: int, block_k: int, device) -> int:
@@ -235,8 +205,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     for t in (a, b):
         if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
-    fp8_mma = a_fmt in ("mxfp8", "mxfp4") and b.fmt in ("mxfp8", "mxfp4")
-    bm, bn, bk, warps, stages = _launch_shape(M, fp8_mma)
+    bm, bn, bk, warps, stages = _launch_shape(M)
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = a.block if isinstance(a, QuantizedTensor) else b.block
     bk = max(bk, vec_a, b.block)
@@ -253,7 +222,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     scale_arg = tensor_scale if tensor_scale is not None else c
     _launch((triton.cdiv(M, bm), triton.cdiv(N, bn), split), a_data, a_scales, b_data, b_scales, c, ws,
             bias_arg, scale_arg, M, N, K, k_per_split, *a_strides, b.data.stride(0), b.scales.stride(0),
-            c.stride(0), c.stride(1), A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, FP8_MMA=fp8_mma,
+            c.stride(0), c.stride(1), A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block,
             SPLIT_K=split, HAS_BIAS=bias is not None, TENSOR_SCALE=int(tensor_scale is not None),
             UPCAST=runtime.INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if split > 1:
@@ -309,7 +278,7 @@ def _bench_cases() -> list[BenchCase]:
     bf16 = torch.bfloat16
     cases = []
     grid = [(1, 64, 256, True)] if runtime.INTERPRET else \
-        [(M, N, K, False) for M in (1, 16, 64) for N, K in ((8192, 8192), (28672, 8192))]
+        [(M, N, K, M == 16 and N == 8192) for M in (1, 16, 64) for N, K in ((8192, 8192), (28672, 8192))]
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for M, N, K, quick in grid:
             def setup_weight_only(M=M, N=N, K=K, fmt=fmt):
