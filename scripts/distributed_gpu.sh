@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device call on a 2-GPU machine: scripts/distributed_check.py under DDP and FSDP2 (fp32 and
+# bf16; FSDP2 also with lm_head as a unit of its own). Logs under $OUT; a summary line per run.
+set -uo pipefail
+OUT=${OUT:-/tmp/tritonformer-dist}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for run in "ddp" "fsdp2" "fsdp2 --lm-head-unit" "ddp --dtype bfloat16" "fsdp2 --dtype bfloat16"; do
+  name=$(echo "$run" | tr ' ' '_' | tr -d '-')
+  # shellcheck disable=SC2086
+  timeout 240 torchrun --nproc-per-node 2 scripts/distributed_check.py --mode $run >"$OUT/$name.log" 2>&1
+  echo "rc=$? $run: $(grep '^{' "$OUT/$name.log" | tail -1)"
+done
