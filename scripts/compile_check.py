@@ -46,6 +46,8 @@ from tritonformer import runtime  # noqa: E402
 from tritonformer.ops import attention as attn  # noqa: E402
 
 assert not runtime.INTERPRET, "TRITON_INTERPRET must be 0 here"
+# Causal grids read the SM count (attention's GROUP_PROGRAMS): the H100 SXM's, without a GPU.
+runtime.num_sms = lambda device_index=0: 132
 
 TARGET = GPUTarget("cuda", 90, 64)
 SMEM_LIMIT = 227 * 1024  # H100: max dynamic shared memory per block

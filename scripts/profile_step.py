@@ -1,10 +1,17 @@
-"""GPU time of one training step of bench e2e's model, by kernel (torch.profiler), for one stack.
+"""GPU time of one training step of bench e2e's model, by kernel (torch.profiler), for one stack,
+and where the GPU sits idle: the step's wall time (synchronised, as bench e2e times it) against
+the kernels' busy time, and the longest gaps between kernels with the kernels either side.
 
-    python scripts/profile_step.py [--stack tritonformer|hf-eager|hf+liger] [--top 30]
+    python scripts/profile_step.py [--stack tritonformer|hf-eager|hf+liger] [--top 30] [--gaps 15]
 """
 
 import argparse
 import collections
+import cProfile
+import pstats
+import json
+import tempfile
+import time
 
 import torch
 
@@ -14,6 +21,9 @@ from tritonformer.bench.e2e import FULL
 parser = argparse.ArgumentParser()
 parser.add_argument("--stack", default="tritonformer")
 parser.add_argument("--top", type=int, default=30)
+parser.add_argument("--gaps", type=int, default=15)
+parser.add_argument("--stacks", action="store_true", help="Python frames at each gap's next launch (slower steps)")
+parser.add_argument("--host", action="store_true", help="host time of the forward, and its cProfile")
 args = parser.parse_args()
 
 if args.stack == "hf+liger":
@@ -44,10 +54,45 @@ def step():
 for _ in range(5):
     step()
 torch.cuda.synchronize()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+walls = []
+for _ in range(10):
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    walls.append(time.perf_counter() - t0)
+wall_ms = sorted(walls)[len(walls) // 2] * 1e3
+if args.host:
+    # The forward's host time against its GPU time: the GPU starves wherever the host is slower.
+    issue, gpu_fwd = [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        loss = model(input_ids=data, labels=data).loss
+        end.record()
+        issue.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        gpu_fwd.append(start.elapsed_time(end) / 1e3)
+        loss.backward()
+        opt.zero_grad(set_to_none=True)
+    print(f"forward: host {sorted(issue)[2] * 1e3:.1f} ms to issue, GPU {sorted(gpu_fwd)[2] * 1e3:.1f} ms from first to "
+          "last kernel (median of 5)")
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    profile.enable()
+    for _ in range(3):
+        loss = model(input_ids=data, labels=data).loss
+    profile.disable()
+    torch.cuda.synchronize()
+    del loss
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profile).sort_stats("cumtime").print_stats(30)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
+                            with_stack=args.stacks) as prof:
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
 per_kernel = collections.defaultdict(float)
 count = collections.Counter()
 for e in prof.events():
@@ -55,6 +100,47 @@ for e in prof.events():
         per_kernel[e.name[:90]] += e.device_time_total / 2 / 1e3
         count[e.name[:90]] += 1
 total = sum(per_kernel.values())
-print(f"{args.stack}: GPU time per step {total:.1f} ms")
+print(f"{args.stack}: GPU time per step {total:.1f} ms; wall time per step {wall_ms:.1f} ms (median of 10)")
 for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
     print(f"  {ms:7.2f} ms  x{count[name] // 2:<4d} {name}")
+
+# Idle gaps in the second profiled step: between consecutive GPU activities (kernels, copies,
+# memsets), and from the step's first CPU op to its first kernel.
+with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    prof.export_chrome_trace(f.name)
+    trace = json.load(open(f.name))["traceEvents"]
+gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).get("correlation"))
+             for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+gpu = gpu[len(gpu) // 2:]
+runtime_calls = {e.get("args", {}).get("correlation"): e for e in trace if e.get("cat") == "cuda_runtime"}
+host = [e for e in trace if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
+
+
+def host_frames(t, tid):
+    """Names of the host events (ops, Python frames) open at time t on thread tid, outermost first."""
+    return [e["name"] for e in sorted(host, key=lambda e: e["ts"]) if e["tid"] == tid and e["ts"] <= t < e["ts"] + e["dur"]]
+
+
+gaps = [(b[0] - a[1], a, b) for a, b in zip(gpu, gpu[1:])]
+busy = sum(e - s for s, e, *_ in gpu)
+span = gpu[-1][1] - gpu[0][0]
+print(f"second step: {len(gpu)} GPU activities, busy {busy / 1e3:.1f} ms over a span of {span / 1e3:.1f} ms; "
+      f"idle {sum(g for g, *_ in gaps if g > 0) / 1e3:.1f} ms "
+      f"({sum(1 for g, *_ in gaps if g > 20)} gaps over 20 us, {sum(g for g, *_ in gaps if g > 20) / 1e3:.1f} ms)")
+step_start = gpu[0][0]
+slow = collections.defaultdict(lambda: [0.0, 0, 0.0])
+for e in runtime_calls.values():
+    if e["ts"] >= step_start - 20e3 and "dur" in e:
+        entry = slow[e["name"]]
+        entry[0] += e["dur"]
+        entry[1] += 1
+        entry[2] = max(entry[2], e["dur"])
+print("host runtime calls in the step (total us, count, longest us):")
+for name, (total_us, n, longest) in sorted(slow.items(), key=lambda kv: -kv[1][0])[:8]:
+    print(f"  {total_us:8.0f} {n:5d} {longest:8.0f}  {name}")
+for gap, before, after in sorted(gaps, key=lambda g: -g[0])[: args.gaps]:
+    print(f"  {gap:8.0f} us  after {before[2][:50]}  before {after[2][:50]}")
+    launch = runtime_calls.get(after[3])
+    if args.stacks and launch is not None:
+        frames = [f for f in host_frames(launch["ts"], launch["tid"]) if "site-packages/torch/" not in f]
+        print("             " + " > ".join(f.split("/")[-1][:60] for f in frames[-8:]))

@@ -9,6 +9,7 @@ import collections
 import os
 import sys
 import tempfile
+import threading
 import time
 
 parser = argparse.ArgumentParser()
@@ -37,11 +38,16 @@ def on_start(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
     return False
 
 
+timeline = []  # (start, end, kernel, thread)
+
+
 def on_end(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
     t0 = started.pop((fn.name, str(key)), None)
     if t0 is not None:
-        compile_s[fn.name] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        compile_s[fn.name] += t1 - t0
         compile_n[fn.name] += 1
+        timeline.append((t0, t1, fn.name, threading.current_thread().name))
 
 
 knobs.runtime.jit_cache_hook = on_start
@@ -93,6 +99,9 @@ print("compile (or cache load) per kernel, s:")
 for name, s in sorted(compile_s.items(), key=lambda kv: -kv[1]):
     print(f"  {name:40s} {s:6.2f}  x{compile_n[name]}")
 print(f"  total {sum(compile_s.values()):.2f}")
+print("compiles in time order, s from the first step's start (thread):")
+for t0, t1, name, thread in sorted(timeline):
+    print(f"  {t0 - t_all:6.2f} .. {t1 - t_all:6.2f}  {name:36s} {thread}")
 print("autotune per kernel (compiles included), s:")
 for name, s in sorted(tune_s.items(), key=lambda kv: -kv[1]):
     print(f"  {name:40s} {s:6.2f}")

@@ -117,6 +117,22 @@ def test_gqa_kv_gradients_sum_over_the_group(device):
         assert_close(g, r, torch.float32, compare="norm")
 
 
+def test_outputs_and_gradients_keep_the_bshd_layout_of_hf_projections(device):
+    # q, k, v as HF hands them over: (B, H, S, D) views of (B, S, H * D) projections.
+    B, S, H, H_kv, D = 2, 19, 4, 2, 32
+    q, k, v = (torch.randn(B, S, n * D, device=device).view(B, S, n, D).transpose(1, 2).requires_grad_(True)
+               for n in (H, H_kv, H_kv))
+    o = tf.attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous()  # HF's reshape to (B, S, H * D) is then a view
+    do = torch.randn(B, S, H, D, device=device).transpose(1, 2)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+    ref = _grads(lambda *t: attention_reference(*t, causal=True), _double_leaves(q, k, v), do.double())
+    assert_close(o, attention_reference(*(t.double() for t in (q, k, v)), causal=True), torch.float32)
+    for g, r in zip(grads, ref):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
 def test_deterministic(device):
     q, k, v = _qkv(device, H=4, H_kv=1, S_q=33, S_k=40, dtype=torch.bfloat16)
     do = torch.randn(1, 4, 33, 32, device=device).to(torch.bfloat16)

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 import tritonformer.nn
+from tritonformer import runtime
 from tritonformer.integrations import hf
 from tritonformer.testing import assert_close
+
+from conftest import gpu_only
 
 transformers = pytest.importorskip("transformers")
 
@@ -352,3 +355,36 @@ def test_unpatch_restores_a_custom_loss_function():
     assert model.loss_function is hf.causal_lm_loss
     hf.unpatch(model)
     assert model.loss_function is my_loss
+
+
+@gpu_only
+def test_kernels_compiled_ahead_of_a_first_step_are_the_ones_it_launches(device):
+    # Dims no other test uses, so that the step's kernels are new to this process.
+    model, _ = _models("llama", torch.bfloat16, hidden_size=160, num_attention_heads=5, num_key_value_heads=1,
+                       intermediate_size=352)
+    model.to(device).train()
+    B, S = 2, 40
+    flag = runtime._COMPILE_ONLY.set(True)
+    try:
+        hf._compile_step_kernels(model, hf.FAMILIES["llama"], B, S)
+    finally:
+        runtime._COMPILE_ONLY.reset(flag)
+
+    # An autotuned kernel's FastLaunch entries are its chosen configs: TunedLauncher.chosen counts them.
+    tuned = {id(t.launch) for t in runtime.TunedLauncher.instances}
+    plain = [launcher for launcher in runtime.FastLaunch.instances if id(launcher) not in tuned]
+
+    def keys(launchers, attr):
+        return {(launcher.__class__.__name__, id(launcher), key) for launcher in launchers
+                for key in getattr(launcher, attr)}
+
+    ahead = keys(plain, "compiling") | keys(runtime.TunedLauncher.instances, "compiling")
+    for launcher in plain:
+        for future in launcher.compiling.values():
+            assert future.exception() is None
+    before = keys(plain, "entries") | keys(runtime.TunedLauncher.instances, "chosen")
+    ids = _ids(device, B, S)
+    model(input_ids=ids, labels=ids).loss.backward()
+    launched = (keys(plain, "entries") | keys(runtime.TunedLauncher.instances, "chosen")) - before
+    assert len(launched) >= 10  # norm, rope, attention (4), swiglu, loss (3), each way
+    assert launched <= ahead, sorted(map(str, launched - ahead))

@@ -93,9 +93,15 @@ def autotune(configs: Iterable[triton.Config], key: list[str], **kwargs):
     return triton.autotune(configs=configs, key=key, cache_results=not INTERPRET, do_bench=_tuning_bench, **kwargs)
 
 
-# Set in a thread that only readies kernels: launchers compile (FastLaunch, TunedLauncher) but
-# neither launch nor tune.
+# Set in a thread that only readies kernels: launchers start compiles (FastLaunch, TunedLauncher)
+# but neither launch nor tune.
 _COMPILE_ONLY = contextvars.ContextVar("tritonformer_compile_only", default=False)
+
+
+def compiling_ahead() -> bool:
+    """True in compile_ahead's thread, where launches only compile: a launcher skips work that
+    launches nothing of its own (e.g. torch matmuls between its kernels)."""
+    return _COMPILE_ONLY.get()
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,8 +123,9 @@ _compiled_ahead: set = set()
 def compile_ahead(key, fn: Callable, *args) -> None:
     """Run `fn(*args)` once per key in a background thread in which launches only compile: a
     forward's first call readies its backward's kernels while the forward goes on (the first
-    training step's warm-up). A failure there is dropped: the real call compiles again and
-    reports it."""
+    training step's warm-up). Its launches hand their compiles to the compile pool and return,
+    and a real launch of the same kernel waits for that compile instead of starting its own. A
+    failure there is dropped: the real call compiles again and reports it."""
     if INTERPRET or torch.compiler.is_compiling() or key in _compiled_ahead:
         return
     _compiled_ahead.add(key)
@@ -160,9 +167,13 @@ class FastLaunch:
     kernel's launcher directly. Under the interpreter, or while a profiler has set a launch hook,
     every launch takes the ordinary path."""
 
+    instances: list["FastLaunch"] = []
+
     def __init__(self, kernel):
         self.kernel = kernel
         self.entries: dict[tuple, tuple] = {}
+        self.compiling: dict[tuple, Future] = {}
+        FastLaunch.instances.append(self)
 
     def __call__(self, grid: tuple, *args, **kwargs) -> tuple:
         """Launch; returns the entry that `replay` takes for later arguments of this class."""
@@ -170,16 +181,23 @@ class FastLaunch:
         key = device, tuple(map(specialization_class, args)), tuple(kwargs.items())
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
-            if entry is None:
-                self.kernel.warmup(*args, grid=grid, **kwargs)
+            if entry is None and key not in self.compiling:
+                self.compiling[key] = _compile_pool().submit(self._compile, device, grid, args, kwargs)
             return entry
         if entry is None:
+            pending = self.compiling.pop(key, None)
+            if pending is not None:
+                pending.exception()  # compiled ahead: the launch below finds it in Triton's cache
             compiled = self.kernel[grid](*args, **kwargs)
             constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
             entry = self.entries[key] = (compiled, constexprs, kwargs)
         else:
             self.replay(entry, grid, *args)
         return entry
+
+    def _compile(self, device, grid, args, kwargs) -> None:
+        with torch.cuda.device(device):
+            self.kernel.warmup(*args, grid=grid, **kwargs)
 
     def replay(self, entry: tuple, grid: tuple, *args) -> None:
         """Launch the entry's kernel on new arguments of the same class."""
@@ -234,7 +252,8 @@ class TunedLauncher:
 
     def _compile_candidates(self, key, grid, args, kwargs) -> None:
         """Compile the configs the autotuner will time, side by side, and wait for them (the
-        autotuner would compile them one after the other)."""
+        autotuner would compile them one after the other); in compile_ahead's thread, only start
+        them."""
         if INTERPRET:
             return
         futures = self.compiling.get(key)
@@ -250,6 +269,8 @@ class TunedLauncher:
                     fn.warmup(*args, grid=grid(config.all_kwargs()), **kwargs, **config.all_kwargs())
 
             futures = self.compiling[key] = [_compile_pool().submit(compile_one, c) for c in configs]
+        if _COMPILE_ONLY.get():
+            return
         for future in futures:
             # A config that fails to compile is the autotuner's to report (it compiles it again).
             future.exception()

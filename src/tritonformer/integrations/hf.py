@@ -27,7 +27,8 @@ What is swapped, per family (FAMILIES):
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
-  logits=None (the (tokens, vocab) logits are never made); otherwise it returns logits as
+  logits=None (the (tokens, vocab) logits are never made) and, unless use_cache=True is passed,
+  no KV cache (HF's default would copy each layer's K and V into one); otherwise it returns logits as
   HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
   with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
   is, the unfused one (eval, LoRA on lm_head) in the logits' dtype.
@@ -44,11 +45,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .. import runtime
 from ..nn import attention_forward
-from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
-from ..ops.norm import rms_norm
-from ..ops.rope import apply_rope
-from ..ops.swiglu import swiglu, swiglu_mlp
+from ..ops import attention as attention_op
+from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy, fused_linear_cross_entropy_fwd, scale_
+from ..ops.norm import norm_bwd, norm_fwd, rms_norm
+from ..ops.rope import apply_rope, rope_bwd, rope_fwd
+from ..ops.swiglu import swiglu, swiglu_bwd, swiglu_fwd, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
 IGNORE_INDEX = -100
@@ -156,7 +159,54 @@ def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ign
     return loss / num_items_in_batch
 
 
-def _causal_lm_forward(hf_forward):
+def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, seq: int) -> None:
+    """Start compiling the Triton kernels of a training step of `model` on (batch, seq) tokens:
+    launches in runtime.compile_ahead's thread only compile, on empty tensors laid out as the
+    step's own (their strides and sizes select the same kernels). A first step then waits for
+    the slowest of these compiles rather than for their sum. A guess that misses (another
+    layout, say) costs a compile, never a wrong result: the real launch compiles its own."""
+    config = model.config
+    dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    rows = 16  # kernels that take a row count specialise on its divisibility by 16, not on its value
+
+    x = torch.empty(rows, hidden, dtype=dtype, device=device)
+    norm_weight = torch.empty(hidden, dtype=dtype, device=device)
+    y, stats = norm_fwd(x, norm_weight, None, 1e-6, family.norm_offset, True, dtype)
+    norm_bwd(y, x, norm_weight, None, stats, family.norm_offset, True)
+
+    # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
+    def heads_view(n):
+        return torch.empty(batch, seq, n * head_dim, dtype=dtype, device=device).view(
+            batch, seq, n, head_dim).transpose(1, 2)
+
+    q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
+    cos = sin = torch.empty(1, seq, head_dim, dtype=dtype, device=device)
+    q, k = rope_fwd(q, k, cos, sin, False)
+    rope_bwd(q, k, cos, sin, False)
+    # nn.attention_forward's call; a window shorter than the sequence goes to SDPA with HF's mask.
+    sliding = getattr(model.model.layers[0].self_attn, "sliding_window", None)
+    if sliding is None or sliding >= seq:
+        window = attention_op.NO_WINDOW if sliding is None else sliding - 1
+        o, lse = attention_op.attention_fwd(q, k, v, True, head_dim**-0.5, window)
+        attention_op.attention_bwd(heads_view(heads), None, q, k, v, o, lse, True, head_dim**-0.5, window)
+
+    if family.swiglu_mlp:
+        gate = torch.empty(rows, config.intermediate_size, dtype=dtype, device=device)
+        swiglu_fwd(gate, gate)
+        swiglu_bwd(gate, gate, torch.empty_like(gate), True, True)
+
+    # The loss's reduction picks its block from the token count.
+    tokens = batch * seq
+    target = torch.zeros(tokens, dtype=torch.long, device=device)
+    hidden_states = torch.empty(tokens, hidden, dtype=dtype, device=device)
+    _, dh, _, _ = fused_linear_cross_entropy_fwd(hidden_states, model.lm_head.weight, target, None, None, None,
+                                                 IGNORE_INDEX, 0.0, 0.0, "mean", True, False, False)
+    scale_(dh, torch.ones((), device=device))
+
+
+def _causal_lm_forward(hf_forward, family: Family):
     """ForCausalLM.forward with the fused linear cross-entropy in training (see the module doc)."""
 
     @functools.wraps(hf_forward)
@@ -170,15 +220,20 @@ def _causal_lm_forward(hf_forward):
             return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        if input_ids is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(input_ids.device.type):
+            runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
+                                  _compile_step_kernels, self, family, *input_ids.shape)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
+        # A loss-only step never reads a KV cache; HF's default (config.use_cache) would copy every
+        # layer's K and V into one. An explicit use_cache=True still gets it.
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                             use_cache=bool(use_cache), **kwargs)
         hidden = outputs.last_hidden_state
         target = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
         weight, bias = self.lm_head.weight, self.lm_head.bias
@@ -256,7 +311,7 @@ def _patch_family(name: str) -> None:
         mlp = family.cls("MLP")
         _set(mlp, "forward", _mlp_forward(_hf_forward(mlp)))
     causal_lm = family.cls("ForCausalLM")
-    _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm)))
+    _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm), family))
     _patch_rope(family)
 
 
@@ -325,7 +380,7 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
         elif mlp_cls is not None and type(module) is mlp_cls:
             module.forward = types.MethodType(_mlp_forward(hf_mlp_forward), module)
         elif type(module) is causal_lm:
-            module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward), module)
+            module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward, family), module)
             previous_loss[module] = module.__dict__.get("_loss_function")
             module.loss_function = causal_lm_loss
         else:

@@ -637,7 +637,7 @@ def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, va
 class _Layout:
     """Sizes and kernel strides of a padded (B, H, S, D) or packed (total, H, D) batch. A packed
     tensor's batch stride is 0 (sequences are found through cu_seqlens); S_q, S_k are then the
-    max_seqlen bounds. Outputs O, dQ, dK, dV are contiguous (unit head-dim stride); lse is
+    max_seqlen bounds. Outputs O, dQ, dK, dV have a unit head-dim stride (_empty_as); lse is
     (B, H, S_q) or (H, total_q)."""
 
     def __init__(self, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
@@ -662,6 +662,14 @@ class _Layout:
         return (0, lse.stride(0)) if self.varlen else lse.stride()[:2]
 
 
+def _empty_as(t: torch.Tensor) -> torch.Tensor:
+    """An output laid out like the input t, with the unit head-dim stride the kernels store with.
+    HF hands over q, k, v as (B, H, S, D) views of (B, S, H, D) projections: O and dQ, dK, dV
+    laid out the same way make the caller's transpose back to (B, S, H * D) a view, not a copy."""
+    out = runtime.empty_like(t)
+    return out if out.stride(-1) == 1 else runtime.empty(t.shape, t.dtype, t.device)
+
+
 _launch_fwd = runtime.TunedLauncher(_attention_fwd_kernel)
 _launch_delta = runtime.FastLaunch(_attention_delta_kernel)
 _launch_dkdv = runtime.TunedLauncher(_attention_bwd_dkdv_kernel)
@@ -671,17 +679,17 @@ _launch_dq = runtime.TunedLauncher(_attention_bwd_dq_kernel)
 def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
                         max_seqlen_q=0, max_seqlen_k=0):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return _empty_as(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @runtime.custom_op("attention_fwd", fake=_fake_attention_fwd)
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, lse): O contiguous with q's shape and dtype, lse float32 natural log, (B, H, S_q) or for
-    a packed batch (H, total_q). `window` is the left window size, or NO_WINDOW."""
+    """(O, lse): O laid out like q (_empty_as), lse float32 natural log, (B, H, S_q) or for a
+    packed batch (H, total_q). `window` is the left window size, or NO_WINDOW."""
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    o = runtime.empty(q.shape, q.dtype, q.device)
+    o = _empty_as(q)
     lse = runtime.empty(lay.lse_shape, torch.float32, q.device)
     if o.numel() == 0 or lay.S_q == 0:
         lse.fill_(-math.inf)
@@ -698,9 +706,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window, cu_seqlens_q=None,
                         cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+    return _empty_as(q), _empty_as(k), _empty_as(k)
 
 
 @runtime.custom_op("attention_bwd", fake=_fake_attention_bwd)
@@ -708,12 +714,10 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
                   v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV), contiguous, from dO (any strides), the optional gradient of lse and the
-    forward's contiguous O and lse."""
+    """(dQ, dK, dV) laid out like q, k and k (dK and dV share strides in the kernel), from dO (any
+    strides), the optional gradient of lse and the forward's O (unit head-dim stride) and lse."""
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq = runtime.empty(q.shape, q.dtype, q.device)
-    dk = runtime.empty(k.shape, k.dtype, k.device)
-    dv = runtime.empty(v.shape, v.dtype, v.device)
+    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
     if dq.numel() == 0 or dk.numel() == 0 or lay.S_q == 0 or lay.S_k == 0:
         dq.zero_()
         dk.zero_()

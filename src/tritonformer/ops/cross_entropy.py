@@ -464,12 +464,14 @@ def fused_linear_cross_entropy_fwd(
     buffer = runtime.empty((rows, V), dtype, device)
     stats = runtime.empty((rows, 2), torch.float32, device)
     launch = {**_row_launch(V), **_flags(label_smoothing, z_loss)}
+    # Ahead of a first step (runtime.compile_ahead) only the kernels matter: no matmuls.
+    matmuls = not runtime.compiling_ahead()
     for start in range(0, T, rows):
         end = min(start + rows, T)
         h, t, logits, chunk_loss = hidden[start:end], target[start:end], buffer[: end - start], row_loss[start:end]
-        if bias is None:
+        if matmuls and bias is None:
             torch.mm(h, weight.t(), out=logits)
-        else:
+        elif matmuls:
             torch.addmm(bias, h, weight.t(), out=logits)
         if not with_grads:
             _row_losses(logits, t, chunk_loss, stats, ignore_index, label_smoothing, z_loss)
@@ -477,6 +479,8 @@ def fused_linear_cross_entropy_fwd(
         g = scale[start:end] if scale.dim() else scale
         _launch_loss_and_grad((end - start,), logits, t, chunk_loss, g, V, t.stride(0), g.stride(0) if g.dim() else 0,
                               ignore_index, label_smoothing, z_loss, **launch)
+        if not matmuls:
+            continue
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start:end])
         if grad_weight:
