@@ -144,3 +144,7 @@ for gap, before, after in sorted(gaps, key=lambda g: -g[0])[: args.gaps]:
     if args.stacks and launch is not None:
         frames = [f for f in host_frames(launch["ts"], launch["tid"]) if "site-packages/torch/" not in f]
         print("             " + " > ".join(f.split("/")[-1][:60] for f in frames[-8:]))
+if args.stack == "tritonformer":
+    from tritonformer import runtime
+    for kernel, chosen in runtime.TunedLauncher.chosen_configs().items():
+        print(f"autotuned {kernel}: {chosen}")

@@ -18,7 +18,7 @@ def gbps(fn, nbytes):
 
 def sweep_norm():
     for rms in (True, False):
-        for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)):
+        for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (8192, 2048), (4096, 16384)):
             x = torch.randn(M, N, device=dev, dtype=bf16)
             w = torch.randn(N, device=dev, dtype=bf16)
             b = torch.randn(N, device=dev, dtype=bf16)
@@ -36,7 +36,7 @@ def sweep_norm():
                     f = lambda: norm._norm_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
                         x, w, b, y, stats, M, N, N, N, 1e-6, 0.0, **kw)
                     fwd.append((gbps(f, 2 * x.nbytes), block_m, warps))
-                    for per_sm in (1, 2, 4):
+                    for per_sm in (1, 2, 4, 8):
                         programs = min(M, 132 * per_sm)
                         part = torch.empty(programs, N, device=dev)
                         g = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
