@@ -24,6 +24,7 @@ parser.add_argument("--top", type=int, default=30)
 parser.add_argument("--gaps", type=int, default=15)
 parser.add_argument("--stacks", action="store_true", help="Python frames at each gap's next launch (slower steps)")
 parser.add_argument("--host", action="store_true", help="host time of the forward, and its cProfile")
+parser.add_argument("--use-cache", action="store_true", help="pass use_cache=True (HF fills a KV cache)")
 args = parser.parse_args()
 
 if args.stack == "hf+liger":
@@ -45,7 +46,7 @@ data = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device="cuda")
 
 
 def step():
-    loss = model(input_ids=data, labels=data).loss
+    loss = model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
