@@ -37,6 +37,17 @@ def test_kernel_equals_reference_bit_for_bit(fmt, dtype, device):
     assert q.scales.shape == (7, 96 // q.block)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_e2m1_ties_and_neighbours_round_as_the_reference(fmt, device):
+    # Blocks whose largest magnitude is 6 (mxfp4's scale is then 1): the other elements sit on
+    # e2m1's rounding ties (0.25, 0.75, ..., 5.0, ties to even) or a hair either side, either sign.
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat([ties, ties * (1 - 2**-12), ties * (1 + 2**-12), E2M1, torch.tensor([5.9, 6.5])])
+    picks = near[torch.randint(0, len(near), (64, 31))] * torch.where(torch.rand(64, 31) < 0.5, -1.0, 1.0)
+    x = torch.cat([torch.full((64, 1), 6.0), picks], dim=1).to(device)
+    _assert_same(quant.quantize(x, fmt), quant.quantize_reference(x, fmt))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_other_axis_and_batch_dims(fmt, device):
     x = torch.randn(3, 64, 5, device=device)

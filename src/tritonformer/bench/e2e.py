@@ -8,8 +8,8 @@ child process of its own (Liger and our patch both replace module-level function
 transformers, and peak memory is per process), on the same seeded weights and data, with fused
 AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included,
 each stack starting from empty Triton and Inductor caches);
-the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill and
-generation run the model itself (patched or not), without torch.compile, in every stack.
+the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill (the
+median of PREFILL_REPEATS) and generation run the model itself (patched or not), without torch.compile, in every stack.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+# A prefill is a few milliseconds: its time is the median of several.
+PREFILL_REPEATS = 5
 STACKS = ("hf-eager", "hf+liger", "hf+torch.compile", "tritonformer", "tritonformer+torch.compile")
 WARMUP_STEPS = 3
 # The model of ../shared/ANCHORS.md (issue 6): 8 layers, hidden 2048, bf16, batch 4 x 2048.
@@ -95,11 +97,14 @@ def run_stack(stack: str, sizes: dict) -> dict:
     prompt = data[0][:1, : sizes["prompt"]]
     with torch.no_grad():
         model(input_ids=prompt)  # warm
-        _sync(device)
-        t0 = time.perf_counter()
-        model(input_ids=prompt)
-        _sync(device)
-        prefill_s = time.perf_counter() - t0
+        prefills = []
+        for _ in range(PREFILL_REPEATS):
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=prompt)
+            _sync(device)
+            prefills.append(time.perf_counter() - t0)
+        prefill_s = statistics.median(prefills)
         model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm
         _sync(device)
         t0 = time.perf_counter()
