@@ -185,9 +185,10 @@ def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, se
     cos = sin = torch.empty(1, seq, head_dim, dtype=dtype, device=device)
     q, k = rope_fwd(q, k, cos, sin, False)
     rope_bwd(q, k, cos, sin, False)
-    # nn.attention_forward's call; a window shorter than the sequence goes to SDPA with HF's mask.
+    # nn.attention_forward's call, when it is the model's attention; a window shorter than the
+    # sequence goes to SDPA with HF's mask.
     sliding = getattr(model.model.layers[0].self_attn, "sliding_window", None)
-    if sliding is None or sliding >= seq:
+    if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
         window = attention_op.NO_WINDOW if sliding is None else sliding - 1
         o, lse = attention_op.attention_fwd(q, k, v, True, head_dim**-0.5, window)
         attention_op.attention_bwd(heads_view(heads), None, q, k, v, o, lse, True, head_dim**-0.5, window)
