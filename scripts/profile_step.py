@@ -45,8 +45,12 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 data = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device="cuda")
 
 
+def forward():
+    return model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
+
+
 def step():
-    loss = model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
+    loss = forward()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -70,7 +74,7 @@ if args.host:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        loss = model(input_ids=data, labels=data).loss
+        loss = forward()
         end.record()
         issue.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
@@ -80,13 +84,14 @@ if args.host:
     print(f"forward: host {sorted(issue)[2] * 1e3:.1f} ms to issue, GPU {sorted(gpu_fwd)[2] * 1e3:.1f} ms from first to "
           "last kernel (median of 5)")
     profile = cProfile.Profile()
-    torch.cuda.synchronize()
-    profile.enable()
     for _ in range(3):
-        loss = model(input_ids=data, labels=data).loss
-    profile.disable()
-    torch.cuda.synchronize()
-    del loss
+        # One forward at a time, as in a step: otherwise HF's host synchronisation waits on the
+        # previous forward's kernels inside the profile.
+        torch.cuda.synchronize()
+        profile.enable()
+        loss = forward()
+        profile.disable()
+        del loss
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     pstats.Stats(profile).sort_stats("cumtime").print_stats(30)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
@@ -105,8 +110,8 @@ print(f"{args.stack}: GPU time per step {total:.1f} ms; wall time per step {wall
 for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
     print(f"  {ms:7.2f} ms  x{count[name] // 2:<4d} {name}")
 
-# Idle gaps in the second profiled step: between consecutive GPU activities (kernels, copies,
-# memsets), and from the step's first CPU op to its first kernel.
+# Idle gaps in the second profiled step, between consecutive GPU activities (kernels, copies,
+# memsets).
 with tempfile.NamedTemporaryFile(suffix=".json") as f:
     prof.export_chrome_trace(f.name)
     trace = json.load(open(f.name))["traceEvents"]
@@ -114,12 +119,13 @@ gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("args", {}).g
              for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 gpu = gpu[len(gpu) // 2:]
 runtime_calls = {e.get("args", {}).get("correlation"): e for e in trace if e.get("cat") == "cuda_runtime"}
-host = [e for e in trace if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
+host = sorted((e for e in trace if e.get("cat") in ("cpu_op", "python_function") and "dur" in e),
+              key=lambda e: e["ts"])
 
 
 def host_frames(t, tid):
     """Names of the host events (ops, Python frames) open at time t on thread tid, outermost first."""
-    return [e["name"] for e in sorted(host, key=lambda e: e["ts"]) if e["tid"] == tid and e["ts"] <= t < e["ts"] + e["dur"]]
+    return [e["name"] for e in host if e["tid"] == tid and e["ts"] <= t < e["ts"] + e["dur"]]
 
 
 gaps = [(b[0] - a[1], a, b) for a, b in zip(gpu, gpu[1:])]

@@ -116,6 +116,12 @@ def _lower_priority() -> None:
         pass
 
 
+def _warmup(kernel, device, grid, args, kwargs) -> None:
+    """Compile `kernel` for these arguments on `device` without launching it (a pool task)."""
+    with torch.cuda.device(device):
+        kernel.warmup(*args, grid=grid, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def _compile_pool() -> ThreadPoolExecutor:
     # Triton's passes, LLVM and ptxas run mostly outside the GIL: configs compile side by side
@@ -195,7 +201,7 @@ class FastLaunch:
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
             if entry is None and key not in self.compiling:
-                self.compiling[key] = _compile_pool().submit(self._compile, device, grid, args, kwargs)
+                self.compiling[key] = _compile_pool().submit(_warmup, self.kernel, device, grid, args, kwargs)
             return entry
         if entry is None:
             pending = self.compiling.pop(key, None)
@@ -207,10 +213,6 @@ class FastLaunch:
         else:
             self.replay(entry, grid, *args)
         return entry
-
-    def _compile(self, device, grid, args, kwargs) -> None:
-        with torch.cuda.device(device):
-            self.kernel.warmup(*args, grid=grid, **kwargs)
 
     def replay(self, entry: tuple, grid: tuple, *args) -> None:
         """Launch the entry's kernel on new arguments of the same class."""
@@ -276,12 +278,9 @@ class TunedLauncher:
             if prune:
                 configs = prune(configs, dict(zip(fn.arg_names, args)), **kwargs)
             device = torch.cuda.current_device()
-
-            def compile_one(config):
-                with torch.cuda.device(device):
-                    fn.warmup(*args, grid=grid(config.all_kwargs()), **kwargs, **config.all_kwargs())
-
-            futures = self.compiling[key] = [_compile_pool().submit(compile_one, c) for c in configs]
+            futures = self.compiling[key] = [
+                _compile_pool().submit(_warmup, fn, device, grid(c.all_kwargs()), args, {**kwargs, **c.all_kwargs()})
+                for c in configs]
         if _COMPILE_ONLY.get():
             return
         for future in futures:

@@ -473,10 +473,11 @@ def fused_linear_cross_entropy_fwd(
     for start in range(0, T, rows):
         end = min(start + rows, T)
         h, t, logits, chunk_loss = hidden[start:end], target[start:end], buffer[: end - start], row_loss[start:end]
-        if matmuls and bias is None:
-            torch.mm(h, weight.t(), out=logits)
-        elif matmuls:
-            torch.addmm(bias, h, weight.t(), out=logits)
+        if matmuls:
+            if bias is None:
+                torch.mm(h, weight.t(), out=logits)
+            else:
+                torch.addmm(bias, h, weight.t(), out=logits)
         if not with_grads:
             _row_losses(logits, t, chunk_loss, stats, ignore_index, label_smoothing, z_loss)
             continue
