@@ -25,6 +25,9 @@ parser.add_argument("--gaps", type=int, default=15)
 parser.add_argument("--stacks", action="store_true", help="Python frames at each gap's next launch (slower steps)")
 parser.add_argument("--host", action="store_true", help="host time of the forward, and its cProfile")
 parser.add_argument("--use-cache", action="store_true", help="pass use_cache=True (HF fills a KV cache)")
+parser.add_argument("--gemms", action="store_true", help="each matmul's shapes, GPU time and TFLOP/s")
+parser.add_argument("--off", default="", help="comma-separated hf.Family switches to turn off (e.g. qkv_rope)")
+parser.add_argument("--syncs", action="store_true", help="the Python stack of each host synchronisation in a step")
 args = parser.parse_args()
 
 if args.stack == "hf+liger":
@@ -40,6 +43,8 @@ config = transformers.LlamaConfig(
 model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
 if args.stack == "tritonformer":
     from tritonformer.integrations import hf
+    for feature in filter(None, args.off.split(",")):
+        setattr(hf.FAMILIES["llama"], feature, False)
     hf.patch(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 data = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device="cuda")
@@ -59,6 +64,21 @@ def step():
 for _ in range(5):
     step()
 torch.cuda.synchronize()
+if args.syncs:
+    import traceback
+    import warnings
+
+    def show_sync(message, *_):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        print(f"sync: {message}\n" + "".join(f"    {f.filename.split('/')[-1]}:{f.lineno} {f.name}\n"
+                                              for f in frames[-6:]))
+
+    warnings.showwarning = show_sync
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode("default")
 walls = []
 for _ in range(10):
     t0 = time.perf_counter()
@@ -95,7 +115,7 @@ if args.host:
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     pstats.Stats(profile).sort_stats("cumtime").print_stats(30)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
-                            with_stack=args.stacks) as prof:
+                            with_stack=args.stacks, record_shapes=args.gemms) as prof:
     for _ in range(2):
         step()
         torch.cuda.synchronize()
@@ -109,6 +129,17 @@ total = sum(per_kernel.values())
 print(f"{args.stack}: GPU time per step {total:.1f} ms; wall time per step {wall_ms:.1f} ms (median of 10)")
 for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
     print(f"  {ms:7.2f} ms  x{count[name] // 2:<4d} {name}")
+
+if args.gemms:
+    print("matmuls (per step): count, ms, us each, TFLOP/s, shapes")
+    for row in sorted(prof.key_averages(group_by_input_shape=True), key=lambda r: -r.device_time_total):
+        if row.key not in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or not row.input_shapes:
+            continue
+        a, b = [s for s in row.input_shapes if len(s) >= 2][:2]
+        flops = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+        each = row.device_time_total / row.count
+        print(f"  x{row.count // 2:<3d} {row.device_time_total / 2e3:6.2f} ms {each:7.1f} us "
+              f"{flops / each / 1e6:6.0f}  {row.key} {row.input_shapes}")
 
 # Idle gaps in the second profiled step, between consecutive GPU activities (kernels, copies,
 # memsets).

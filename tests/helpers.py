@@ -13,3 +13,16 @@ def compile_fullgraph(fn):
 def foreign_device_tensor():
     """A tensor on a device the kernels do not run on here."""
     return torch.empty(4, 4, device="meta")
+
+
+def graph_nodes(t):
+    """Names of the autograd nodes behind t."""
+    seen, stack, names = set(), [t.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names

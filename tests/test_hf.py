@@ -11,6 +11,7 @@ from tritonformer.integrations import hf
 from tritonformer.testing import assert_close
 
 from conftest import gpu_only
+from helpers import graph_nodes
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,6 +70,10 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     model.train(), reference.train()
     out, ref = model(ids, labels=ids), reference(ids, labels=ids)
     assert out.logits is None  # training with labels: fused linear cross-entropy, no logits
+    # q, k, v and rope as one node a layer, where the family's attention forward is Llama's.
+    nodes = graph_nodes(out.loss)
+    assert nodes.count("QKVRopeFunctionBackward") == (2 if hf.FAMILIES[family].qkv_rope else 0)
+    assert nodes.count("AddRMSNormFunctionBackward") == 2  # the attention's residual add, each layer
     assert_close(out.loss, ref.loss.double(), torch.float32)
     out.loss.backward(), ref.loss.backward()
     grads, ref_grads = _grads(model), _grads(reference)
@@ -167,11 +172,13 @@ def test_gradient_checkpointing(device):
         assert_close(grad, _grads(reference)[name].double(), torch.float32, compare="norm")
 
 
-def test_lora_adapters_train_on_patched_modules_and_on_lm_head(device):
+# LoRA on q_proj: that layer's attention runs HF's forward; on o_proj only: qkv_rope runs with
+# frozen projections (no weight gradients), its dx feeding the adapters of earlier layers.
+@pytest.mark.parametrize("targets", [("q_proj", "gate_proj", "down_proj", "lm_head"), ("o_proj", "up_proj", "lm_head")])
+def test_lora_adapters_train_on_patched_modules_and_on_lm_head(device, targets):
     peft = pytest.importorskip("peft")
     model, reference = _models()
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "down_proj", "lm_head"],
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
     model, reference = peft.get_peft_model(model, lora), peft.get_peft_model(reference, copy.deepcopy(lora))
     reference.load_state_dict(model.state_dict())
     model.to(device), reference.to(device)
@@ -184,7 +191,7 @@ def test_lora_adapters_train_on_patched_modules_and_on_lm_head(device):
     out.loss.backward(), ref.loss.backward()
     grads, ref_grads = _grads(model), _grads(reference)
     assert grads and all("lora_" in name for name in grads)
-    assert any("lm_head" in name for name in grads) and any("gate_proj" in name for name in grads)
+    assert all(any(target in name for name in grads) for target in targets)
     for name in grads:
         assert grads[name].abs().sum() > 0
         assert_close(grads[name], ref_grads[name].double(), torch.float32, compare="norm")

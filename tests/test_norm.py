@@ -129,3 +129,40 @@ def test_layer_norm_backward_of_wide_rows_takes_the_looped_kernel(device, monkey
                                    dy.double())
     for g, e in zip(grads, expected):
         assert_close(g, e, torch.float32, "norm")
+
+
+def test_add_rms_norm_is_the_unfused_add_then_norm(device):
+    """h is torch's rounded sum; y is rms_norm of it (the same kernel arithmetic)."""
+    x, res = (torch.randn(6, 300, device=device).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(300, device=device).to(torch.bfloat16)
+    y, h = tritonformer.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(y, tritonformer.rms_norm(h, w, 1e-6))
+    if ON_GPU:
+        assert torch.equal(h, x + res)
+    else:  # the interpreter truncates float32 -> bfloat16 where torch rounds: one step apart at most
+        expected = (x.double() + res.double()).to(torch.bfloat16).double()
+        assert ((h.double() - expected).abs() <= 2**-7 * expected.abs()).all()
+
+
+def test_add_rms_norm_bad_input(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="residual"):
+        tritonformer.add_rms_norm(x, torch.randn(4, 7, device=device))
+    with pytest.raises(TypeError, match="residual"):
+        tritonformer.add_rms_norm(x, x.double())
+    with pytest.raises(ValueError, match="weight"):
+        tritonformer.add_rms_norm(x, x, torch.ones(7, device=device))
+
+
+def test_add_rms_norm_compiles_without_graph_breaks(device):
+    x, res = (torch.randn(8, 48, device=device, requires_grad=True) for _ in range(2))
+    w = torch.randn(48, device=device, requires_grad=True)
+
+    def loss(x, res, w):
+        y, h = tritonformer.add_rms_norm(x, res, w)
+        return y.square().sum() + h.sum()
+
+    expected = torch.autograd.grad(loss(x, res, w), (x, res, w))
+    got = torch.autograd.grad(compile_fullgraph(loss)(x, res, w), (x, res, w))
+    for g, e in zip(got, expected):
+        assert_close(g, e.double(), torch.float32, "norm")

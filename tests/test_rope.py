@@ -7,7 +7,7 @@ from tritonformer.ops import rope as rope_op
 from tritonformer.testing import assert_close
 
 from conftest import gpu_only
-from helpers import compile_fullgraph, foreign_device_tensor
+from helpers import compile_fullgraph, foreign_device_tensor, graph_nodes
 
 
 def _inputs(device, B=2, Hq=3, Hk=1, S=6, D=8, layout="bhsd", dtype=torch.float32):
@@ -285,3 +285,40 @@ def test_bshd_shapes_are_checked_in_their_order(device):
         tf.apply_rope(q, k.transpose(1, 2), cos, sin, "bshd")
     with pytest.raises(ValueError, match="cos has shape"):
         tf.apply_rope(q, k, cos[:3], sin, "bshd")
+
+
+def test_qkv_rope_bad_input(device):
+    x = torch.randn(2, 5, 16, device=device)
+    w_q, w_kv = torch.randn(16, 16, device=device), torch.randn(8, 16, device=device)
+    cos = sin = torch.randn(5, 8, device=device)
+    with pytest.raises(ValueError, match="x"):
+        tf.qkv_rope(x[0], w_q, w_kv, w_kv, cos, sin)
+    with pytest.raises(ValueError, match="w_q"):
+        tf.qkv_rope(x, w_q[:, :15], w_kv, w_kv, cos, sin)
+    with pytest.raises(ValueError, match="w_k"):
+        tf.qkv_rope(x, w_q, w_kv[:4], w_kv, cos, sin)
+    with pytest.raises(TypeError, match="w_v"):
+        tf.qkv_rope(x, w_q, w_kv, w_kv.double(), cos, sin)
+    with pytest.raises(ValueError, match="b_k"):
+        tf.qkv_rope(x, w_q, w_kv, w_kv, cos, sin, b_k=torch.randn(7, device=device))
+    with pytest.raises(ValueError, match="cos"):
+        tf.qkv_rope(x, w_q, w_kv, w_kv, cos[:4], sin)
+
+
+def test_qkv_rope_is_one_node_and_compiles(device):
+    """Eager training: one autograd node; under torch.compile (the projections apart), no graph
+    break and the same gradients."""
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    ws = [torch.randn(n, 16, device=device, requires_grad=True) for n in (16, 8, 8)]
+    cos, sin = torch.randn(5, 8, device=device), torch.randn(5, 8, device=device)
+
+    def loss(x, *ws):
+        q, k, v = tf.qkv_rope(x, *ws, cos, sin)
+        return (q.square().sum() + k.sum() + (v * v.detach()).sum())
+
+    eager = loss(x, *ws)
+    assert graph_nodes(eager).count("QKVRopeFunctionBackward") == 1
+    expected = torch.autograd.grad(eager, (x, *ws))
+    got = torch.autograd.grad(compile_fullgraph(loss)(x, *ws), (x, *ws))
+    for g, e in zip(got, expected):
+        assert_close(g, e.double(), torch.float32, "norm")

@@ -6,11 +6,11 @@ from .ops.add import add
 from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
-from .ops.norm import layer_norm, rms_norm
-from .ops.rope import apply_rope
+from .ops.norm import add_rms_norm, layer_norm, rms_norm
+from .ops.rope import apply_rope, qkv_rope
 from .ops.scaled_matmul import scaled_matmul
 from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "attention", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]
+__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "matmul", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

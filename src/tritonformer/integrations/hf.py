@@ -44,13 +44,14 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy, fused_linear_cross_entropy_fwd, scale_
-from ..ops.norm import norm_bwd, norm_fwd, rms_norm
-from ..ops.rope import apply_rope, rope_bwd, rope_fwd
+from ..ops.norm import add_norm_fwd, add_rms_norm, norm_bwd, norm_fwd, rms_norm
+from ..ops.rope import apply_rope, qkv_rope, qkv_rope_bwd, qkv_rope_fwd, rope_bwd, rope_fwd
 from ..ops.swiglu import swiglu, swiglu_bwd, swiglu_fwd, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
@@ -61,9 +62,17 @@ class Family:
     """Where one model family's pieces live in transformers."""
 
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
-                 swiglu_mlp: bool = True):
+                 swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
+                 add_norm: bool = True):
         self.name, self.prefix = name, prefix
         self.norm_eps, self.norm_offset, self.swiglu_mlp = norm_eps, norm_offset, swiglu_mlp
+        # add_norm: the decoder layer's forward is Llama's pre-norm block (attention, residual
+        # add, post_attention_layernorm, MLP, residual add).
+        self.add_norm = add_norm
+        # qkv_rope: the attention module's forward is Llama's (projections, rope, attention,
+        # o_proj); sliding_window: where that forward reads the window it passes to the attention
+        # function ("config", "module" or None).
+        self.qkv_rope, self.sliding_window = qkv_rope, sliding_window
 
     @functools.cached_property
     def module(self) -> types.ModuleType:
@@ -75,9 +84,10 @@ class Family:
 
 FAMILIES = {
     "llama": Family("llama", "Llama"),
-    "mistral": Family("mistral", "Mistral"),
-    "qwen2": Family("qwen2", "Qwen2"),
-    "qwen3": Family("qwen3", "Qwen3"),
+    "mistral": Family("mistral", "Mistral", sliding_window="config"),
+    "qwen2": Family("qwen2", "Qwen2", sliding_window="module"),
+    # Qwen3 normalises q and k per head between the projections and rope.
+    "qwen3": Family("qwen3", "Qwen3", qkv_rope=False),
     "gemma": Family("gemma", "Gemma", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False),
 }
 
@@ -130,6 +140,68 @@ def _mlp_forward(hf_forward):
     return forward
 
 
+def _attention_forward(hf_forward, family: Family):
+    """The attention module's forward with q, k and v from qkv_rope when training with plain
+    nn.Linear projections (HF's forward otherwise: LoRA-wrapped projections, autocast, inference,
+    torch.compile, which traces HF's code with our ops inside). The rest is HF's code as it is."""
+
+    @functools.wraps(hf_forward)
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                **kwargs):
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not (torch.is_grad_enabled() and position_embeddings is not None
+                and all(_is_plain_linear(p) for p in projections)
+                and not torch.is_autocast_enabled(hidden_states.device.type) and not torch.compiler.is_compiling()):
+            return hf_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        cos, sin = position_embeddings
+        q, k, v = qkv_rope(hidden_states, *(p.weight for p in projections), cos, sin, *(p.bias for p in projections))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        if family.sliding_window == "config":
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+        elif family.sliding_window == "module":
+            kwargs["sliding_window"] = self.sliding_window
+        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                   family.module.eager_attention_forward)
+        out, weights = attention_function(self, q, k, v, attention_mask,
+                                          dropout=0.0 if not self.training else self.attention_dropout,
+                                          scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
+
+
+def _decoder_layer_forward(hf_forward, family: Family):
+    """The decoder layer's forward with the attention's residual add fused into
+    post_attention_layernorm (add_rms_norm), when that norm is the family's RMSNorm and the two
+    summands share a dtype (not so under autocast with float32 weights); HF's code otherwise."""
+    norm_cls = family.cls("RMSNorm")
+
+    @functools.wraps(hf_forward)
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        norm = self.post_attention_layernorm
+        if type(norm) is not norm_cls:
+            return hf_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                              position_embeddings, **kwargs)
+        residual = hidden_states
+        attention_out, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        if attention_out.dtype == residual.dtype and attention_out.shape == residual.shape:
+            hidden_states, residual = add_rms_norm(attention_out, residual, norm.weight,
+                                                   getattr(norm, family.norm_eps), family.norm_offset)
+        else:
+            residual = residual + attention_out
+            hidden_states = norm(residual)
+        return residual + self.mlp(hidden_states)
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
+
+
 def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     layouts = {1: "bhsd", 2: "bshd"}
     if unsqueeze_dim not in layouts:
@@ -169,37 +241,51 @@ def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, se
     dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    rows = 16  # kernels that take a row count specialise on its divisibility by 16, not on its value
+    tokens = batch * seq
 
-    x = torch.empty(rows, hidden, dtype=dtype, device=device)
+    x = torch.empty(tokens, hidden, dtype=dtype, device=device)
     norm_weight = torch.empty(hidden, dtype=dtype, device=device)
     y, stats = norm_fwd(x, norm_weight, None, 1e-6, family.norm_offset, True, dtype)
     norm_bwd(y, x, norm_weight, None, stats, family.norm_offset, True)
+    if family.add_norm:
+        y, h, stats = add_norm_fwd(x, x, norm_weight, 1e-6, family.norm_offset, dtype)
+        norm_bwd(y, h, norm_weight, None, stats, family.norm_offset, True, y)
 
     # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
     def heads_view(n):
         return torch.empty(batch, seq, n * head_dim, dtype=dtype, device=device).view(
             batch, seq, n, head_dim).transpose(1, 2)
 
-    q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
     cos = sin = torch.empty(1, seq, head_dim, dtype=dtype, device=device)
-    q, k = rope_fwd(q, k, cos, sin, False)
-    rope_bwd(q, k, cos, sin, False)
+    attention = model.model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
+        # _attention_forward's qkv_rope: views of the joint projection; gradients laid out as
+        # the attention kernels write them (like q and k, see heads_view).
+        w = torch.empty(sum(p.weight.shape[0] for p in projections), hidden, dtype=dtype, device=device)
+        x = torch.empty(batch, seq, hidden, dtype=dtype, device=device)
+        q, k, v = qkv_rope_fwd(x, w, None, cos, sin, (heads, kv_heads, kv_heads))
+        qkv_rope_bwd(heads_view(heads), heads_view(kv_heads), None, x, w, cos, sin, (heads, kv_heads, kv_heads),
+                     True, True, False)
+    else:
+        q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
+        q, k = rope_fwd(q, k, cos, sin, False)
+        rope_bwd(q, k, cos, sin, False)
     # nn.attention_forward's call, when it is the model's attention; a window shorter than the
     # sequence goes to SDPA with HF's mask.
-    sliding = getattr(model.model.layers[0].self_attn, "sliding_window", None)
+    sliding = (getattr(config, "sliding_window", None) if family.sliding_window == "config"
+               else getattr(attention, "sliding_window", None))
     if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
         window = attention_op.NO_WINDOW if sliding is None else sliding - 1
         o, lse = attention_op.attention_fwd(q, k, v, True, head_dim**-0.5, window)
         attention_op.attention_bwd(heads_view(heads), None, q, k, v, o, lse, True, head_dim**-0.5, window)
 
     if family.swiglu_mlp:
-        gate = torch.empty(rows, config.intermediate_size, dtype=dtype, device=device)
+        gate = torch.empty(tokens, config.intermediate_size, dtype=dtype, device=device)
         swiglu_fwd(gate, gate)
         swiglu_bwd(gate, gate, torch.empty_like(gate), True, True)
 
     # The loss's reduction picks its block from the token count.
-    tokens = batch * seq
     target = torch.zeros(tokens, dtype=torch.long, device=device)
     hidden_states = torch.empty(tokens, hidden, dtype=dtype, device=device)
     _, dh, _, _ = fused_linear_cross_entropy_fwd(hidden_states, model.lm_head.weight, target, None, None, None,
@@ -311,6 +397,12 @@ def _patch_family(name: str) -> None:
     if family.swiglu_mlp:
         mlp = family.cls("MLP")
         _set(mlp, "forward", _mlp_forward(_hf_forward(mlp)))
+    if family.qkv_rope:
+        attention = family.cls("Attention")
+        _set(attention, "forward", _attention_forward(_hf_forward(attention), family))
+    if family.add_norm:
+        layer = family.cls("DecoderLayer")
+        _set(layer, "forward", _decoder_layer_forward(_hf_forward(layer), family))
     causal_lm = family.cls("ForCausalLM")
     _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm), family))
     _patch_rope(family)
@@ -318,7 +410,7 @@ def _patch_family(name: str) -> None:
 
 def _unpatch_family(name: str) -> None:
     family = FAMILIES[name]
-    for cls_suffix in ("RMSNorm", "MLP", "ForCausalLM"):
+    for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "ForCausalLM"):
         _restore(family.cls(cls_suffix), "forward")
     _unpatch_rope(family)
 
@@ -369,9 +461,13 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
         return model
     norm_cls = family.cls("RMSNorm")
     mlp_cls = family.cls("MLP") if family.swiglu_mlp else None
+    attention_cls = family.cls("Attention") if family.qkv_rope else None
     causal_lm = family.cls("ForCausalLM")
     hf_causal_lm_forward = _hf_forward(causal_lm)
     hf_mlp_forward = _hf_forward(mlp_cls) if mlp_cls else None
+    hf_attention_forward = _hf_forward(attention_cls) if attention_cls else None
+    layer_cls = family.cls("DecoderLayer") if family.add_norm else None
+    hf_layer_forward = _hf_forward(layer_cls) if layer_cls else None
     norm_forward = _norm_forward(family)
     previous_loss = {}
     patched = []
@@ -380,6 +476,10 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
             module.forward = types.MethodType(norm_forward, module)
         elif mlp_cls is not None and type(module) is mlp_cls:
             module.forward = types.MethodType(_mlp_forward(hf_mlp_forward), module)
+        elif attention_cls is not None and type(module) is attention_cls:
+            module.forward = types.MethodType(_attention_forward(hf_attention_forward, family), module)
+        elif layer_cls is not None and type(module) is layer_cls:
+            module.forward = types.MethodType(_decoder_layer_forward(hf_layer_forward, family), module)
         elif type(module) is causal_lm:
             module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward, family), module)
             previous_loss[module] = module.__dict__.get("_loss_function")

@@ -214,10 +214,15 @@ def _reduce_kernel(
 
 @triton.jit
 def _scale_kernel(x_ptr, factor_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(x_ptr + offs, (x * tl.load(factor_ptr).to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+    factor = tl.load(factor_ptr).to(tl.float32)
+    # A loss's backward is seeded with 1 nearly always: x is then left as it is, without a host
+    # synchronisation to find that out (scaling a Llama-3 lm_head's gradient reads and writes
+    # 1 GiB, 0.35 ms on the H100).
+    if factor != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(x_ptr + offs, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 _launch_fwd = runtime.FastLaunch(_ce_fwd_kernel)

@@ -64,16 +64,23 @@ LOOPED_BWD_WARPS = 32
 
 @triton.jit
 def _norm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_ym, eps, offset,
+    x_ptr, res_ptr, h_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_rm, stride_ym, eps, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """HAS_RES: the normalized rows are h = x + res, rounded to x's dtype as torch's add rounds
+    them, and written to h_ptr (rows of N, contiguous)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + rows64 * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows64 * N + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
     if RMS:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         xhat = x * rstd[:, None]
@@ -108,11 +115,13 @@ def _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_dtype: tl.constexpr,
 
 @triton.jit
 def _norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
-    M, N, stride_xm, stride_dym, stride_dxm, offset,
+    x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
+    M, N, stride_xm, stride_dym, stride_drm, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """HAS_DRES: dx also gets dres, the gradient that x's other uses sent back (an add fused:
+    one rounding instead of two)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -146,6 +155,8 @@ def _norm_bwd_kernel(
         if not RMS:
             dx -= (tl.sum(g, axis=1) / N)[:, None]
         dx *= rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + rows64 * stride_drm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
@@ -267,20 +278,44 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
-        block_m, block_n, num_warps = _launch_shape(N, rms)
-        _launch_fwd((triton.cdiv(M, block_m),), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N,
-                    float(eps), float(offset), **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        _fwd_in_registers(x_rows, None, None, w, b, y, stats, eps, offset, flags)
     else:
         _launch_fwd_looped((M,), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N, float(eps), float(offset),
                            **flags, CHUNK=LOOP_CHUNK, num_warps=8)
     return y, stats
 
 
+def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -> None:
+    M, N = x_rows.shape
+    block_m, block_n, num_warps = _launch_shape(N, flags["RMS"])
+    _launch_fwd((triton.cdiv(M, block_m),), x_rows, _or(res_rows, x_rows), _or(h, x_rows), w, b, y, stats, M, N,
+                x_rows.stride(0), x_rows.stride(0) if res_rows is None else res_rows.stride(0), N, float(eps),
+                float(offset), **flags, HAS_RES=res_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps)
+
+
+def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, stats) of RMSNorm over h = x + residual (rows up to FUSED_MAX_N), h contiguous."""
+    N = x.shape[-1]
+    x_rows, res_rows = runtime.rows_view(x, N), runtime.rows_view(residual, N)
+    y = runtime.empty(x.shape, out_dtype, x.device)
+    h = runtime.empty(x.shape, x.dtype, x.device)
+    stats = runtime.empty((x_rows.shape[0],), torch.float32, x.device)
+    if x.numel():
+        _fwd_in_registers(x_rows, res_rows, h, _or(weight, x_rows), x_rows, y, stats, eps, offset,
+                          _flags(True, weight, None, offset))
+    return y, h, stats
+
+
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             stats: torch.Tensor, offset: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, sums): sums holds dw then db (those that exist) as float32 rows."""
+             stats: torch.Tensor, offset: float, rms: bool,
+             dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, sums): sums holds dw then db (those that exist) as float32 rows. dres, when given, is
+    added into dx (rows up to FUSED_MAX_N)."""
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
+    dres_rows = None if dres is None else runtime.rows_view(dres, N)
     M = x_rows.shape[0]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
@@ -293,12 +328,17 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     db_part = parts[n_params - 1] if bias is not None else parts
     if M > 0 and N > 0:
         flags = _flags(rms, weight, bias, offset)
-        args = (x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
-                x_rows.stride(0), dy_rows.stride(0), N, float(offset))
         if looped:
-            _launch_bwd_looped((programs,), *args, **flags, CHUNK=LOOP_CHUNK, num_warps=LOOPED_BWD_WARPS)
+            _launch_bwd_looped((programs,), x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
+                               x_rows.stride(0), dy_rows.stride(0), N, float(offset), **flags, CHUNK=LOOP_CHUNK,
+                               num_warps=LOOPED_BWD_WARPS)
+            if dres is not None:
+                dx.add_(dres)
         else:
-            _launch_bwd((programs,), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+            _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats,
+                        dw_part, db_part, M, N, x_rows.stride(0), dy_rows.stride(0),
+                        dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0), N, float(offset), **flags,
+                        HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
 
 
@@ -312,7 +352,13 @@ def _fake_norm_fwd(x, weight, bias, eps, offset, rms, out_dtype):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows if rms else 2 * rows,), dtype=torch.float32)
 
 
-def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms):
+def _fake_add_norm_fwd(x, residual, weight, eps, offset, out_dtype):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None):
     n_params = (weight is not None) + (bias is not None)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((n_params, x.shape[-1]), dtype=torch.float32))
@@ -320,6 +366,7 @@ def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms):
 
 norm_fwd = runtime.custom_op("norm_fwd", fake=_fake_norm_fwd)(norm_fwd)
 norm_bwd = runtime.custom_op("norm_bwd", fake=_fake_norm_bwd)(norm_bwd)
+add_norm_fwd = runtime.custom_op("add_norm_fwd", fake=_fake_add_norm_fwd)(add_norm_fwd)
 
 
 class NormFunction(torch.autograd.Function):
@@ -337,6 +384,25 @@ class NormFunction(torch.autograd.Function):
         dw = sums[0].to(weight.dtype) if weight is not None else None
         db = sums[-1].to(bias.dtype) if bias is not None else None
         return dx, dw, db, None, None, None, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """(rms_norm(h), h) for h = x + residual: the residual add of a pre-norm block fused into its
+    norm, forward (h written beside y, not read back) and backward (h's gradient from its other
+    uses added into the norm's dx, which x and residual both receive)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, out_dtype):
+        y, h, stats = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)
+        ctx.save_for_backward(h, weight, stats)
+        ctx.offset = offset
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, stats = ctx.saved_tensors
+        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, dh)
+        return dx, dx, sums[0].to(weight.dtype) if weight is not None else None, None, None, None
 
 
 def _normalize(x, weight, bias, eps, offset, rms, out_dtype):
@@ -373,6 +439,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
     return _normalize(x, weight, None, eps, offset, True, out_dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h, weight, eps, offset), h) with h = x + residual (rounded to their dtype, as
+    torch's add): a pre-norm Transformer block's residual add and the norm after it, in one
+    kernel each way. x and residual have the same shape and dtype."""
+    _check_inputs(x, weight, None, eps)
+    runtime.check_tensor("residual", residual, (x.dtype,))
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}: they must match")
+    runtime.check_same_device(x=x, residual=residual)
+    if not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    if x.shape[-1] > FUSED_MAX_N:  # rows past the registers: the looped kernels, unfused
+        h = x + residual
+        return rms_norm(h, weight, eps, offset), h
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
+        return AddRMSNormFunction.apply(x, residual, weight, eps, offset, out_dtype)
+    y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)
+    return y, h
+
+
+def add_rms_norm_reference(x, residual, weight=None, eps=1e-6, offset=0.0):
+    h = x + residual
+    return rms_norm_reference(h, weight, eps, offset), h
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -497,6 +590,77 @@ def _norm_bench_cases(rms: bool) -> list[BenchCase]:
                                plot=f"forward+backward {short_dtype(dtype)}", quick=quick, compare="norm"))
     return cases
 
+
+def _add_norm_test_cases() -> list[TestCase]:
+    def case(id, shape, dtype, weight=True, offset=0.0, transposed_residual=False, gpu_only=False):
+        def make(device):
+            n = shape[-1]
+            x = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+            res = torch.randn(shape[::-1], device=device).mT if transposed_residual else torch.randn(shape, device=device)
+            res = res.to(dtype).requires_grad_(True)
+            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
+            return (x, res, w), {"eps": 1e-6, "offset": offset}
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = short_dtype(dt)
+        cases += [
+            case(f"{name}-2x3x1000", (2, 3, 1000), dt),
+            case(f"{name}-300x64", (300, 64), dt),
+            case(f"{name}-gemma-9x300", (9, 300), dt, offset=1.0),
+            case(f"{name}-8192x2048", (8192, 2048), dt, gpu_only=True),
+        ]
+    cases += [
+        case("fp32-no-weight-transposed-residual", (40, 17), torch.float32, weight=False, transposed_residual=True),
+        case(f"fp32-looped-2x{FUSED_MAX_N + 5}", (2, FUSED_MAX_N + 5), torch.float32),
+        case("fp32-empty", (0, 9), torch.float32),
+    ]
+    return cases
+
+
+def _add_norm_bench_cases() -> list[BenchCase]:
+    cases = []
+    for M, N in [(8192, 2048), (16384, 4096), (256, 512)]:
+        dtype = torch.bfloat16
+
+        def setup(M=M, N=N, dtype=dtype):
+            device = runtime.DEVICE
+            x, res = (torch.randn(M, N, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+            w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype).requires_grad_(True)
+            dy, dh = torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)
+            lg = peers.liger()
+            inputs = (x, res, w)
+
+            def liger():
+                h = x + res
+                return lg.LigerRMSNormFunction.apply(h, w, 1e-6, 0.0, "llama"), h
+
+            def fwd_bwd(fn):
+                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, (dy, dh))
+
+            def reference():
+                leaves = [t.detach().double().requires_grad_(True) for t in inputs]
+                return torch.autograd.grad(add_rms_norm_reference(*leaves), leaves, (dy.double(), dh.double()))
+
+            return Bench(peers.available({
+                "tritonformer": fwd_bwd(lambda: add_rms_norm(x, res, w)),
+                "torch": fwd_bwd(lambda: add_rms_norm_reference(x, res, w)),
+                "torch.compile": fwd_bwd(peers.compiled(add_rms_norm_reference, x, res, w)),
+                "liger": fwd_bwd(liger if lg else None),
+            }), reference=reference)
+
+        size = M * N * 2
+        # Forward: x, residual read, y, h written; backward: dy, dh, h read, dx written.
+        cases.append(BenchCase("add_rms_norm", "fwd+bwd", dtype, f"{M}x{N}", N, setup, bytes=8 * size,
+                               plot=f"forward+backward {short_dtype(dtype)}", quick=M == 256, compare="norm"))
+    return cases
+
+
+# Norm-wise: y is the norm of h rounded to the input dtype (as HF's add then norm compute it),
+# against a float64 reference that never rounds h.
+ADD_RMS_NORM_SPEC = OpSpec(name="add_rms_norm", fn=add_rms_norm, reference=add_rms_norm_reference,
+                           test_cases=_add_norm_test_cases, bench_cases=_add_norm_bench_cases, compare="norm")
 
 RMS_NORM_SPEC = OpSpec(
     name="rms_norm",

@@ -273,9 +273,6 @@ def _check_inputs(q, k, cos, sin, layout, inplace) -> None:
         runtime.check_tensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        runtime.check_tensor(name, t, TABLE_DTYPES)
-    runtime.check_same_device(q=q, k=k, cos=cos, sin=sin)
     if k.dtype != q.dtype:
         raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
     seq = 2 if layout == "bhsd" else 1
@@ -286,11 +283,17 @@ def _check_inputs(q, k, cos, sin, layout, inplace) -> None:
     if (k.shape[0], k.shape[seq], k.shape[3]) != (B, S, D):
         raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}: batch, sequence and head "
                          f"dimensions must match ({layout})")
+    _check_tables(cos, sin, B, S, D, f"q of shape {tuple(q.shape)} ({layout})")
+    runtime.check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+
+def _check_tables(cos, sin, B: int, S: int, D: int, what: str) -> None:
     for name, t in (("cos", cos), ("sin", sin)):
+        runtime.check_tensor(name, t, TABLE_DTYPES)
         shared = t.dim() == 2 and t.shape == (S, D)
         if not (shared or t.dim() == 3 and t.shape[0] in (1, B) and t.shape[1:] == (S, D)):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; for q of shape {tuple(q.shape)} ({layout}) it "
-                             f"must be ({S}, {D}), (1, {S}, {D}) or ({B}, {S}, {D})")
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; for {what} it must be ({S}, {D}), (1, {S}, {D}) "
+                             f"or ({B}, {S}, {D})")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("gradients with respect to cos and sin are not supported: pass them detached "
                          "(cos.detach(), sin.detach()), or call under torch.no_grad()")
@@ -328,6 +331,146 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         rope_fwd_inplace(q, k, cos, sin, bshd)
         return q, k
     return rope_fwd(q, k, cos, sin, bshd)
+
+
+# ---- the attention's input projections and the rotation, one autograd node ----
+
+def _heads_of(y: torch.Tensor, heads: tuple[int, int, int], D: int) -> list[torch.Tensor]:
+    """q, k and v as (B, S, H, D) views of their projections' joint (B, S, (Hq + 2 Hk) D) output."""
+    B, S = y.shape[:2]
+    return [t.view(B, S, h, D) for t, h in zip(y.split([h * D for h in heads], dim=-1), heads)]
+
+
+def qkv_rope_fwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 heads: tuple[int, int, int]) -> list[torch.Tensor]:
+    """q, k, v as (B, H, S, D) views of x w^T + b, w the three projections' weights concatenated,
+    with q and k rotated in place. In compile_ahead's thread only the rotation's kernel compiles."""
+    D = cos.shape[-1]
+    if runtime.compiling_ahead():
+        y = torch.empty((*x.shape[:2], w.shape[0]), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.nn.functional.linear(x, w, b)
+    q, k, v = _heads_of(y, heads, D)
+    _launch(q, k, q, k, cos, sin, True, backward=False)
+    return [t.transpose(1, 2) for t in (q, k, v)]
+
+
+def qkv_rope_bwd(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None, x: torch.Tensor,
+                 w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: tuple[int, int, int],
+                 need_dx: bool, need_dw: bool, need_db: bool):
+    """(dx, dw, db) of qkv_rope_fwd, dw and db as (q, k, v) row blocks, from the gradients of its
+    (B, H, S, D) outputs (None: zero)."""
+    D = cos.shape[-1]
+    dy = runtime.empty((*x.shape[:2], w.shape[0]), x.dtype, x.device)
+    dy_q, dy_k, dy_v = _heads_of(dy, heads, D)
+    rotated = [(g.transpose(1, 2), out) for g, out in ((dq, dy_q), (dk, dy_k)) if g is not None]
+    if rotated:
+        (g0, out0), (g1, out1) = rotated if len(rotated) == 2 else (rotated[0], (None, None))
+        _launch(g0, g1, out0, out1, cos, sin, True, backward=True)
+    if runtime.compiling_ahead():
+        return None, None, None
+    for g, out in ((dq, dy_q), (dk, dy_k), (dv, dy_v)):
+        if g is None:
+            out.zero_()
+    if dv is not None:
+        dy_v.copy_(dv.transpose(1, 2))
+    dy2, x2 = dy.view(-1, w.shape[0]), x.reshape(-1, x.shape[-1])
+    sizes = [h * D for h in heads]
+    dx = (dy2 @ w).view(x.shape) if need_dx else None
+    dw = (dy2.mT @ x2).split(sizes) if need_dw else None
+    db = dy2.sum(0).split(sizes) if need_db else None
+    return dx, dw, db
+
+
+class QKVRopeFunction(torch.autograd.Function):
+    """x's q, k and v projections as one matmul (the weights concatenated), q and k rotated in
+    place in its output. Backward writes the rotation's transpose of dq and dk and a copy of dv
+    into one gradient buffer, then one matmul gives dx (no adds of three partial dx) and one the
+    three weights' gradients (row blocks of one result, laid out as the weights)."""
+
+    @staticmethod
+    def forward(ctx, x, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin):
+        D = cos.shape[-1]
+        heads = (w_q.shape[0] // D, w_k.shape[0] // D, w_v.shape[0] // D)
+        w = torch.cat((w_q, w_k, w_v))
+        biases = (b_q, b_k, b_v)
+        b = None
+        if any(t is not None for t in biases):
+            b = torch.cat([w.new_zeros(h * D) if t is None else t for t, h in zip(biases, heads)])
+        ctx.save_for_backward(x, w, cos, sin)
+        ctx.heads, ctx.has_bias = heads, tuple(t is not None for t in biases)
+        return tuple(qkv_rope_fwd(x, w, b, cos, sin, heads))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, w, cos, sin = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, dw, db = qkv_rope_bwd(dq, dk, dv, x, w, cos, sin, ctx.heads, needs[0], any(needs[1:4]),
+                                  any(ctx.has_bias))
+        dw = [g if need else None for g, need in zip(dw or (None,) * 3, needs[1:4])]
+        db = [g if has else None for g, has in zip(db or (None,) * 3, ctx.has_bias)]
+        return dx, *dw, *db, None, None
+
+
+def _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v):
+    """Three projections and apply_rope: what the fused path computes, where it does not apply."""
+    B, S = x.shape[:2]
+    D = cos.shape[-1]
+    q, k, v = (torch.nn.functional.linear(x, w, b).view(B, S, -1, D).transpose(1, 2)
+               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k = apply_rope(q, k, cos, sin, "bhsd", inplace=not torch.is_grad_enabled())
+    return q, k, v
+
+
+def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
+             b_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention layer's inputs from x (B, S, hidden): q = rope(x w_q^T + b_q), k = rope(x w_k^T
+    + b_k), v = x w_v^T + b_v, returned as HuggingFace's attention takes them, (B, H, S, D) views
+    (Hq = w_q.shape[0] / D, Hk likewise, D = cos.shape[-1]). Weights are nn.Linear's (out, in), in
+    x's dtype; cos and sin as in apply_rope, (S, D), (1, S, D) or (B, S, D).
+
+    With gradients on, one autograd node (QKVRopeFunction): one matmul for the three projections,
+    one for dx and one for the weights' gradients, instead of three each and two adds of partial
+    dx; it keeps x and the concatenated weights for backward. Without gradients (or under
+    autocast or torch.compile) the projections run apart: concatenating the weights would cost
+    more than it saves for few tokens."""
+    runtime.check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be (batch, seq, hidden), got shape {tuple(x.shape)}")
+    B, S, hidden = x.shape
+    D = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() >= 1 else 0
+    if D == 0 or D % 2:
+        raise ValueError(f"cos must end in an even head dimension, got shape "
+                         f"{tuple(cos.shape) if isinstance(cos, torch.Tensor) else type(cos).__name__}")
+    _check_tables(cos, sin, B, S, D, f"x of shape {tuple(x.shape)}")
+    for name, w, b in (("w_q", w_q, b_q), ("w_k", w_k, b_k), ("w_v", w_v, b_v)):
+        runtime.check_tensor(name, w, (x.dtype,))
+        if w.dim() != 2 or w.shape[1] != hidden or w.shape[0] % D:
+            raise ValueError(f"{name} must be (heads * {D}, {hidden}) for x of shape {tuple(x.shape)} and head "
+                             f"dimension {D}, got {tuple(w.shape)}")
+        if b is not None:
+            runtime.check_tensor(f"b{name[1:]}", b, (x.dtype,))
+            if tuple(b.shape) != (w.shape[0],):
+                raise ValueError(f"b{name[1:]} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    if w_k.shape != w_v.shape:
+        raise ValueError(f"w_k and w_v must have the same shape, got {tuple(w_k.shape)} and {tuple(w_v.shape)}")
+    runtime.check_same_device(x=x, w_q=w_q, w_k=w_k, w_v=w_v, b_q=b_q, b_k=b_k, b_v=b_v, cos=cos, sin=sin)
+    tensors = (x, w_q, w_k, w_v, b_q, b_k, b_v)
+    fused = (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+             and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling())
+    if fused:
+        return QKVRopeFunction.apply(*tensors, cos, sin)
+    return _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v)
+
+
+def qkv_rope_reference(x, w_q, w_k, w_v, cos, sin, b_q=None, b_k=None, b_v=None):
+    B, S = x.shape[:2]
+    D = cos.shape[-1]
+    q, k, v = (torch.nn.functional.linear(x, w, b).view(B, S, -1, D).transpose(1, 2)
+               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k = apply_rope_reference(q, k, cos, sin, "bhsd")
+    return q, k, v
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -474,6 +617,71 @@ def _bench_cases() -> list[BenchCase]:
     return cases
 
 
+def _qkv_test_cases() -> list[TestCase]:
+    def case(id, dtype, B, S, hidden, Hq, Hk, D, bias=False, table=(1,), x_view=False, gpu_only=False):
+        def make(device):
+            x = torch.randn(B, S, hidden, device=device)
+            if x_view:  # (B, S, hidden) read through a transposed view of (S, B, hidden) memory
+                x = torch.randn(S, B, hidden, device=device).transpose(0, 1)
+            x = x.to(dtype).requires_grad_(True)
+            ws = [(torch.randn(h * D, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
+                  for h in (Hq, Hk, Hk)]
+            bs = [torch.randn(h * D, device=device).to(dtype).requires_grad_(True) if bias else None
+                  for h in (Hq, Hk, Hk)]
+            cos, sin = (_table((*table, S, D) if table else (S, D), dtype, device) for _ in range(2))
+            return (x, *ws, cos, sin, *bs), {}
+        return TestCase(id, make, dtype, gpu_only=gpu_only)
+
+    cases = [case(f"{short_dtype(dt)}-2x7x40-4/2x8", dt, 2, 7, 40, 4, 2, 8) for dt in runtime.FLOAT_DTYPES]
+    cases += [
+        case("fp32-bias-batch-table-x-view", torch.float32, 3, 5, 24, 3, 1, 16, bias=True, table=(3,), x_view=True),
+        case("bf16-shared-table-mha", torch.bfloat16, 1, 9, 32, 2, 2, 16, table=()),
+        case("bf16-2x1024x2048-16/4x128", torch.bfloat16, 2, 1024, 2048, 16, 4, 128, gpu_only=True),
+    ]
+    return cases
+
+
+def _qkv_bench_cases() -> list[BenchCase]:
+    cases = []
+    for B, S, hidden, Hq, Hk, D in [(4, 2048, 2048, 16, 4, 128), (2, 4096, 4096, 32, 8, 128), (1, 64, 256, 4, 2, 32)]:
+        dtype = torch.bfloat16
+
+        def setup(B=B, S=S, hidden=hidden, Hq=Hq, Hk=Hk, D=D, dtype=dtype):
+            device = runtime.DEVICE
+            x = torch.randn(B, S, hidden, device=device, dtype=dtype, requires_grad=True)
+            ws = [(torch.randn(h * D, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
+                  for h in (Hq, Hk, Hk)]
+            cos, sin = _bench_table(S, D, dtype)
+            douts = [torch.randn(B, h, S, D, device=device, dtype=dtype) for h in (Hq, Hk, Hk)]
+            inputs = (x, *ws)
+            lg = peers.liger()
+
+            def liger_qkv():
+                q, k, v = (torch.nn.functional.linear(x, w).view(B, S, -1, D).transpose(1, 2) for w in ws)
+                return (*lg.LigerRopeFunction.apply(q, k, cos, sin, None, 1), v)
+
+            def fwd_bwd(fn):
+                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, douts)
+
+            def reference():
+                leaves = [t.detach().float().requires_grad_(True) for t in inputs]
+                out = qkv_rope_reference(*leaves, cos.float(), sin.float())
+                return torch.autograd.grad(out, leaves, [d.float() for d in douts])
+
+            return Bench(peers.available({
+                "tritonformer": fwd_bwd(lambda: qkv_rope(*inputs, cos, sin)),
+                "torch": fwd_bwd(lambda: qkv_rope_reference(*inputs, cos, sin)),
+                "torch.compile": fwd_bwd(peers.compiled(qkv_rope_reference, *inputs, cos, sin)),
+                "liger": fwd_bwd(liger_qkv if lg else None),
+            }), reference=reference)
+
+        tokens = B * S
+        cases.append(BenchCase("qkv_rope", "fwd+bwd", dtype, f"{B}x{S}x{hidden} {Hq}/{Hk}x{D}", tokens, setup,
+                               flops=3 * 2 * tokens * hidden * (Hq + 2 * Hk) * D,
+                               plot=f"forward+backward {short_dtype(dtype)}", quick=S == 64))
+    return cases
+
+
 SPEC = OpSpec(
     name="rope",
     fn=apply_rope,
@@ -482,3 +690,6 @@ SPEC = OpSpec(
     bench_cases=_bench_cases,
     compare="elementwise",
 )
+
+QKV_SPEC = OpSpec(name="qkv_rope", fn=qkv_rope, reference=qkv_rope_reference, test_cases=_qkv_test_cases,
+                  bench_cases=_qkv_bench_cases, compare="norm")

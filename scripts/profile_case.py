@@ -1,0 +1,47 @@
+"""GPU time by kernel of one registry benchmark case, per provider (torch.profiler), to see where
+a case's time goes beside its matmuls.
+
+    python scripts/profile_case.py OP [--case N] [--providers tritonformer,torch.compile] [--top 15]
+
+N indexes the op's bench cases in registry order (default 0).
+"""
+
+import argparse
+import collections
+
+import torch
+
+import tritonformer  # noqa: F401  (before triton users)
+from tritonformer.registry import OPS
+
+parser = argparse.ArgumentParser()
+parser.add_argument("op")
+parser.add_argument("--case", type=int, default=0)
+parser.add_argument("--providers", default="tritonformer,torch.compile")
+parser.add_argument("--top", type=int, default=15)
+parser.add_argument("--repeats", type=int, default=5)
+args = parser.parse_args()
+
+case = OPS[args.op].bench_cases()[args.case]
+bench = case.setup()
+print(f"{case.op} {case.mode} {case.shape}")
+for name in args.providers.split(","):
+    fn = bench.providers.get(name)
+    if fn is None:
+        print(f"{name}: not available")
+        continue
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.repeats):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel, count = collections.defaultdict(float), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name[:100]] += e.device_time_total / args.repeats
+            count[e.name[:100]] += 1
+    print(f"{name}: {sum(per_kernel.values()):.0f} us of GPU time a call")
+    for kernel, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"  {us:8.1f} us  x{count[kernel] // args.repeats:<3d} {kernel}")
