@@ -70,10 +70,15 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     model.train(), reference.train()
     out, ref = model(ids, labels=ids), reference(ids, labels=ids)
     assert out.logits is None  # training with labels: fused linear cross-entropy, no logits
+    assert not any(hf.FUSED_NORM in m.__dict__ for m in model.modules())  # every one taken
     # q, k, v and rope as one node a layer, where the family's attention forward is Llama's.
     nodes = graph_nodes(out.loss)
     assert nodes.count("QKVRopeFunctionBackward") == (2 if hf.FAMILIES[family].qkv_rope else 0)
-    assert nodes.count("AddRMSNormFunctionBackward") == 2  # the attention's residual add, each layer
+    # Both residual adds of each layer: into post_attention_layernorm, and into the next layer's
+    # input_layernorm (the last layer's into the model's final norm).
+    assert nodes.count("AddRMSNormFunctionBackward") == 4
+    # What is left unfused: the first layer's input norm (and Qwen3's per-head q and k norms).
+    assert nodes.count("NormFunctionBackward") == 1 + (4 if family == "qwen3" else 0)
     assert_close(out.loss, ref.loss.double(), torch.float32)
     out.loss.backward(), ref.loss.backward()
     grads, ref_grads = _grads(model), _grads(reference)
@@ -170,6 +175,8 @@ def test_gradient_checkpointing(device):
     reference(ids, labels=ids).loss.backward()
     for name, grad in _grads(model).items():
         assert_close(grad, _grads(reference)[name].double(), torch.float32, compare="norm")
+    # The recomputation runs layers backwards: no norm result may be left behind for a next layer.
+    assert not any(hf.FUSED_NORM in m.__dict__ for m in model.modules())
 
 
 # LoRA on q_proj: that layer's attention runs HF's forward; on o_proj only: qkv_rope runs with
@@ -395,3 +402,39 @@ def test_kernels_compiled_ahead_of_a_first_step_are_the_ones_it_launches(device)
     launched = (keys(plain, "entries") | keys(runtime.TunedLauncher.instances, "chosen")) - before
     assert len(launched) >= 10  # norm, rope, attention (4), swiglu, loss (3), each way
     assert launched <= ahead, sorted(map(str, launched - ahead))
+
+
+def test_training_steps_share_positions_and_rotary_tables(device, monkeypatch):
+    """A training forward without position_ids passes one positions tensor that HF's packing
+    check skips (no host synchronisation) and whose rotary tables are computed once; packing told
+    by position_ids alone is still found, and its loss matches the unpatched model's."""
+    from transformers import masking_utils
+
+    model, reference = _models()
+    model.to(device).train(), reference.to(device).train()
+    rotary = model.model.rotary_emb
+    tables = []
+    real_forward = rotary.forward
+
+    def spy(x, position_ids):
+        out = real_forward(x, position_ids)
+        tables.append(out)
+        return out
+
+    monkeypatch.setattr(rotary, "forward", spy)
+    ids = _ids(device)
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+    assert tables[0][0] is tables[1][0]  # the same cos tensor: computed once
+    assert hf.ROTARY_CACHE in rotary.__dict__
+
+    # Two sequences packed in each row, told by position_ids only: HF's check finds them and
+    # the loss is the unpatched model's (without a KV cache: with one, which HF's training
+    # forward makes by default, HF skips the packing check and attends across the sequences).
+    position_ids = torch.cat([torch.arange(6, device=device), torch.arange(10, device=device)])[None].expand(2, -1)
+    out = model(ids, labels=ids, position_ids=position_ids).loss
+    ref = reference(ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+    assert_close(out, ref.double(), torch.float32)
+    assert masking_utils.find_packed_sequence_indices(position_ids) is not None
+    positions = hf._default_positions(16, torch.device(device))
+    assert masking_utils.find_packed_sequence_indices(positions.expand(2, -1)) is None

@@ -24,6 +24,16 @@ What is swapped, per family (FAMILIES):
   mask and run our kernel, packed batches with cu_seq_lens run its varlen form, and whenever HF
   builds a mask (padding, a sliding window shorter than the sequence, packing told by
   position_ids alone) the call goes through torch's SDPA with that mask;
+- in training, the attention module's q, k, v projections and rope run as one op (`qkv_rope`:
+  one matmul each way, for plain nn.Linear projections; not Qwen3, whose q/k norms sit between),
+  and each residual add is fused into the RMSNorm that follows it (`add_rms_norm`: the
+  attention's into post_attention_layernorm; the MLP's into the next layer's input_layernorm,
+  or the final norm, which takes the result when called on exactly that sum; not under
+  gradient checkpointing). A training forward without position_ids, mask or cache passes one
+  positions tensor of its own: HF's packing check skips it (no host synchronisation) and the
+  rotary embedding keeps its tables for it. Packing told by position_ids alone is detected
+  as HF detects it without a KV cache (HF's own training forward, which makes a cache by
+  default, skips that check);
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
@@ -102,10 +112,42 @@ def _family_of(model: torch.nn.Module) -> Family:
 
 # ---- the replacements ----
 
+# A decoder layer that ends in a residual add computes the next norm with it (add_rms_norm) and
+# leaves (h, norm(h)) on that norm module under FUSED_NORM; the norm, called on exactly h, pops and
+# returns it. Layers find their next norm (the next layer's input_layernorm, the model's final
+# norm after the last) under NEXT_NORM, a weak reference the causal LM's forward sets up.
+FUSED_NORM = "_tritonformer_fused"
+NEXT_NORM = "_tritonformer_next_norm"
+LINKED = "_tritonformer_linked"
+
+
 def _norm_forward(family: Family):
     def forward(self, hidden_states):
+        if not torch.compiler.is_compiling():
+            fused = self.__dict__.pop(FUSED_NORM, None)
+            if fused is not None and fused[0] is hidden_states:
+                return fused[1]
         return rms_norm(hidden_states, self.weight, getattr(self, family.norm_eps), family.norm_offset)
     return forward
+
+
+def _link_next_norms(causal_lm: torch.nn.Module, family: Family) -> None:
+    """Point each decoder layer of causal_lm at the norm that its output goes to first."""
+    inner = getattr(causal_lm, "model", None)
+    layers, final_norm = getattr(inner, "layers", None), getattr(inner, "norm", None)
+    if layers is None or final_norm is None:
+        return
+    norm_cls = family.cls("RMSNorm")
+    followers = [getattr(layer, "input_layernorm", None) for layer in list(layers)[1:]] + [final_norm]
+    for layer, follower in zip(layers, followers):
+        if type(follower) is norm_cls:
+            layer.__dict__[NEXT_NORM] = weakref.ref(follower)
+
+
+def _unlink_next_norms(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        for attr in (NEXT_NORM, FUSED_NORM, LINKED, ROTARY_CACHE):
+            module.__dict__.pop(attr, None)
 
 
 def _is_plain_linear(module) -> bool:
@@ -196,7 +238,87 @@ def _decoder_layer_forward(hf_forward, family: Family):
         else:
             residual = residual + attention_out
             hidden_states = norm(residual)
-        return residual + self.mlp(hidden_states)
+        mlp_out = self.mlp(hidden_states)
+        next_norm = self.__dict__.get(NEXT_NORM)
+        next_norm = next_norm() if next_norm is not None else None
+        # Not under gradient checkpointing: its recomputation runs the layers backwards, so a
+        # result left for the next layer's norm would never be taken and would hold memory.
+        if (next_norm is None or mlp_out.dtype != residual.dtype or mlp_out.shape != residual.shape
+                or getattr(self, "gradient_checkpointing", False) and self.training
+                or torch.compiler.is_compiling()):
+            return residual + mlp_out
+        normed, out = add_rms_norm(mlp_out, residual, next_norm.weight, getattr(next_norm, family.norm_eps),
+                                   family.norm_offset)
+        next_norm.__dict__[FUSED_NORM] = (out, normed)
+        return out
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
+
+
+# ---- the training step's prelude: positions 0..S-1 as one tensor we own ----
+#
+# Without position_ids HF makes arange(S) afresh each forward, checks it for packed sequences
+# (a host synchronisation) and recomputes the rotary tables from it: work at the start of each
+# step, while the GPU waits for the host. The training forward passes this tensor instead; the
+# packing check knows it (it is never packed) and the rotary embedding keeps its tables for it.
+_DEFAULT_POSITIONS: dict[tuple, torch.Tensor] = {}
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+ROTARY_CACHE = "_tritonformer_rotary"
+
+
+def _default_positions(seq: int, device: torch.device) -> torch.Tensor:
+    key = (seq, device)
+    if key not in _DEFAULT_POSITIONS:
+        _DEFAULT_POSITIONS[key] = torch.arange(seq, device=device)[None]
+    return _DEFAULT_POSITIONS[key]
+
+
+def _views_default_positions(position_ids: torch.Tensor) -> bool:
+    """Whether position_ids is one of our tensors of positions, or a view of it over all its
+    positions (HF's expand to the batch)."""
+    if position_ids.dim() != 2:
+        return False
+    ours = _DEFAULT_POSITIONS.get((position_ids.shape[-1], position_ids.device))
+    return (ours is not None and position_ids.data_ptr() == ours.data_ptr() and position_ids.dtype == ours.dtype
+            and (position_ids.shape[-1] == 1 or position_ids.stride(-1) == 1))
+
+
+def _wrap_packed_sequence_check() -> None:
+    """masking_utils.find_packed_sequence_indices answers None (not packed) for our positions
+    without looking at them; other position_ids go to HF's check (idempotent)."""
+    from transformers import masking_utils
+
+    hf_check = masking_utils.find_packed_sequence_indices
+    if getattr(hf_check, "tritonformer_wraps", None) is not None:
+        return
+
+    @functools.wraps(hf_check)
+    def find_packed_sequence_indices(position_ids):
+        if not torch.compiler.is_compiling() and _views_default_positions(position_ids):
+            return None
+        return hf_check(position_ids)
+
+    find_packed_sequence_indices.tritonformer_wraps = hf_check
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+
+
+def _rotary_forward(hf_forward):
+    """The rotary embedding's forward, keeping its (cos, sin) for our positions tensor while its
+    inverse frequencies stay the same tensor (rope types whose frequencies never change)."""
+
+    @functools.wraps(hf_forward)
+    def forward(self, x, position_ids):
+        if (torch.compiler.is_compiling() or getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES
+                or position_ids is not _DEFAULT_POSITIONS.get((position_ids.shape[-1], position_ids.device))):
+            return hf_forward(self, x, position_ids)
+        key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
+        cached = self.__dict__.get(ROTARY_CACHE)
+        if cached is not None and cached[0] is position_ids and cached[1] is self.inv_freq and cached[2] == key:
+            return cached[3]
+        out = hf_forward(self, x, position_ids)
+        self.__dict__[ROTARY_CACHE] = (position_ids, self.inv_freq, key, out)
+        return out
 
     forward.tritonformer_wraps = hf_forward
     return forward
@@ -299,6 +421,9 @@ def _causal_lm_forward(hf_forward, family: Family):
     @functools.wraps(hf_forward)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        if family.add_norm and LINKED not in self.__dict__:
+            _link_next_norms(self, family)
+            self.__dict__[LINKED] = True
         # logits_to_keep with labels is HF's to reject (their batch sizes differ).
         fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
                  and not _is_sharded(self.lm_head.weight)
@@ -310,6 +435,9 @@ def _causal_lm_forward(hf_forward, family: Family):
         if input_ids is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(input_ids.device.type):
             runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
                                   _compile_step_kernels, self, family, *input_ids.shape)
+        if (position_ids is None and attention_mask is None and past_key_values is None and not use_cache
+                and input_ids is not None and not torch.compiler.is_compiling()):
+            position_ids = _default_positions(input_ids.shape[1], input_ids.device)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
@@ -348,6 +476,7 @@ def register_attention() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    _wrap_packed_sequence_check()
 
 
 # Class-level patches: (owner, attribute) -> original value. The rope function is module-level,
@@ -403,6 +532,8 @@ def _patch_family(name: str) -> None:
     if family.add_norm:
         layer = family.cls("DecoderLayer")
         _set(layer, "forward", _decoder_layer_forward(_hf_forward(layer), family))
+    rotary = family.cls("RotaryEmbedding")
+    _set(rotary, "forward", _rotary_forward(_hf_forward(rotary)))
     causal_lm = family.cls("ForCausalLM")
     _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm), family))
     _patch_rope(family)
@@ -410,7 +541,7 @@ def _patch_family(name: str) -> None:
 
 def _unpatch_family(name: str) -> None:
     family = FAMILIES[name]
-    for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "ForCausalLM"):
+    for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "RotaryEmbedding", "ForCausalLM"):
         _restore(family.cls(cls_suffix), "forward")
     _unpatch_rope(family)
 
@@ -468,6 +599,8 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     hf_attention_forward = _hf_forward(attention_cls) if attention_cls else None
     layer_cls = family.cls("DecoderLayer") if family.add_norm else None
     hf_layer_forward = _hf_forward(layer_cls) if layer_cls else None
+    rotary_cls = family.cls("RotaryEmbedding")
+    hf_rotary_forward = _hf_forward(rotary_cls)
     norm_forward = _norm_forward(family)
     previous_loss = {}
     patched = []
@@ -480,6 +613,8 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
             module.forward = types.MethodType(_attention_forward(hf_attention_forward, family), module)
         elif layer_cls is not None and type(module) is layer_cls:
             module.forward = types.MethodType(_decoder_layer_forward(hf_layer_forward, family), module)
+        elif type(module) is rotary_cls:
+            module.forward = types.MethodType(_rotary_forward(hf_rotary_forward), module)
         elif type(module) is causal_lm:
             module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward, family), module)
             previous_loss[module] = module.__dict__.get("_loss_function")
@@ -515,5 +650,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     _unpatch_rope(family, base)
     if previous_attention is not None:
         base.set_attn_implementation(previous_attention)
+    _unlink_next_norms(base)
     del base._tritonformer
     return model
