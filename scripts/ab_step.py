@@ -14,7 +14,7 @@ import time
 import torch
 
 import tritonformer  # noqa: F401  (before transformers)
-from tritonformer.bench.e2e import FULL
+from tritonformer.bench.e2e import FULL, make_model
 from tritonformer.integrations import hf
 
 parser = argparse.ArgumentParser()
@@ -23,17 +23,12 @@ parser.add_argument("--blocks", type=int, default=6)
 parser.add_argument("--steps", type=int, default=8)
 args = parser.parse_args()
 
-import transformers  # noqa: E402
 
 family = hf.FAMILIES["llama"]
 if not isinstance(getattr(family, args.feature, None), bool):
     raise SystemExit(f"--feature must be a boolean attribute of hf.Family, got {args.feature!r}")
 s = FULL
-torch.manual_seed(0)
-config = transformers.LlamaConfig(
-    vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-    num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"])
-model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+model = make_model(s, "cuda", torch.bfloat16)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 data = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device="cuda")
 

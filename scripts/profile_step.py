@@ -16,7 +16,7 @@ import time
 import torch
 
 import tritonformer  # noqa: F401  (before transformers)
-from tritonformer.bench.e2e import FULL
+from tritonformer.bench.e2e import FULL, make_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--stack", default="tritonformer")
@@ -33,14 +33,9 @@ args = parser.parse_args()
 if args.stack == "hf+liger":
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     apply_liger_kernel_to_llama()
-import transformers  # noqa: E402
 
 s = FULL
-torch.manual_seed(0)
-config = transformers.LlamaConfig(
-    vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-    num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"])
-model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+model = make_model(s, "cuda", torch.bfloat16)
 if args.stack == "tritonformer":
     from tritonformer.integrations import hf
     for feature in filter(None, args.off.split(",")):

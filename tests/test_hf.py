@@ -438,3 +438,16 @@ def test_training_steps_share_positions_and_rotary_tables(device, monkeypatch):
     assert masking_utils.find_packed_sequence_indices(position_ids) is not None
     positions = hf._default_positions(16, torch.device(device))
     assert masking_utils.find_packed_sequence_indices(positions.expand(2, -1)) is None
+
+
+def test_fsdp2_unit_layers_keep_the_mlp_add_to_themselves(device, monkeypatch):
+    """A layer that is an FSDP2 unit must not read the next unit's norm weight (gathered only
+    around that unit's own passes): its MLP residual add stays a plain add."""
+    model, reference = _models()
+    model.to(device).train(), reference.to(device).train()
+    monkeypatch.setattr(hf, "FSDPModule", type(model.model.layers[0]))
+    ids = _ids(device)
+    out, ref = model(ids, labels=ids), reference(ids, labels=ids)
+    assert graph_nodes(out.loss).count("AddRMSNormFunctionBackward") == 2  # post-attention norms only
+    assert not any(hf.FUSED_NORM in m.__dict__ for m in model.modules())
+    assert_close(out.loss, ref.loss.double(), torch.float32)

@@ -42,6 +42,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def make_model(sizes: dict, device, dtype):
+    """The benchmark's Llama-style model from a config, on the same seeded weights every time
+    (transformers imported here: a peer's patch of it must come first)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
+        max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]))
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+
+
 def run_stack(stack: str, sizes: dict) -> dict:
     """One stack's measures (in this process)."""
     import torch
@@ -57,14 +71,7 @@ def run_stack(stack: str, sizes: dict) -> dict:
     if stack == "hf+liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
-        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
-        max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]))
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+    model = make_model(sizes, device, dtype)
     if stack.startswith("tritonformer"):
         from tritonformer.integrations import hf
         hf.patch(model)

@@ -52,6 +52,7 @@ import types
 import weakref
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -242,10 +243,12 @@ def _decoder_layer_forward(hf_forward, family: Family):
         next_norm = self.__dict__.get(NEXT_NORM)
         next_norm = next_norm() if next_norm is not None else None
         # Not under gradient checkpointing: its recomputation runs the layers backwards, so a
-        # result left for the next layer's norm would never be taken and would hold memory.
+        # result left for the next layer's norm would never be taken and would hold memory. Not
+        # for a layer that is an FSDP2 unit: the next norm's weight belongs to another unit, whose
+        # gathered weight exists only around that unit's own forward and backward.
         if (next_norm is None or mlp_out.dtype != residual.dtype or mlp_out.shape != residual.shape
                 or getattr(self, "gradient_checkpointing", False) and self.training
-                or torch.compiler.is_compiling()):
+                or isinstance(self, FSDPModule) or torch.compiler.is_compiling()):
             return residual + mlp_out
         normed, out = add_rms_norm(mlp_out, residual, next_norm.weight, getattr(next_norm, family.norm_eps),
                                    family.norm_offset)
