@@ -277,12 +277,17 @@ def _default_positions(seq: int, device: torch.device) -> torch.Tensor:
     return _DEFAULT_POSITIONS[key]
 
 
+def _default_positions_like(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Our positions tensor of position_ids' length and device, if there is one."""
+    return _DEFAULT_POSITIONS.get((position_ids.shape[-1], position_ids.device))
+
+
 def _views_default_positions(position_ids: torch.Tensor) -> bool:
     """Whether position_ids is one of our tensors of positions, or a view of it over all its
     positions (HF's expand to the batch)."""
     if position_ids.dim() != 2:
         return False
-    ours = _DEFAULT_POSITIONS.get((position_ids.shape[-1], position_ids.device))
+    ours = _default_positions_like(position_ids)
     return (ours is not None and position_ids.data_ptr() == ours.data_ptr() and position_ids.dtype == ours.dtype
             and (position_ids.shape[-1] == 1 or position_ids.stride(-1) == 1))
 
@@ -313,7 +318,7 @@ def _rotary_forward(hf_forward):
     @functools.wraps(hf_forward)
     def forward(self, x, position_ids):
         if (torch.compiler.is_compiling() or getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES
-                or position_ids is not _DEFAULT_POSITIONS.get((position_ids.shape[-1], position_ids.device))):
+                or position_ids is not _default_positions_like(position_ids)):
             return hf_forward(self, x, position_ids)
         key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
         cached = self.__dict__.get(ROTARY_CACHE)
@@ -522,23 +527,27 @@ def _unpatch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
         _restore(family.module, "apply_rotary_pos_emb")
 
 
+def _replacements(family: Family) -> dict[type, object]:
+    """The family's classes that get a forward of ours, each with that forward (built around
+    HF's own, also when a class patch already wraps it)."""
+    cls = family.cls
+    forwards = {cls("RMSNorm"): _norm_forward(family)}
+    if family.swiglu_mlp:
+        forwards[cls("MLP")] = _mlp_forward(_hf_forward(cls("MLP")))
+    if family.qkv_rope:
+        forwards[cls("Attention")] = _attention_forward(_hf_forward(cls("Attention")), family)
+    if family.add_norm:
+        forwards[cls("DecoderLayer")] = _decoder_layer_forward(_hf_forward(cls("DecoderLayer")), family)
+    forwards[cls("RotaryEmbedding")] = _rotary_forward(_hf_forward(cls("RotaryEmbedding")))
+    forwards[cls("ForCausalLM")] = _causal_lm_forward(_hf_forward(cls("ForCausalLM")), family)
+    return forwards
+
+
 def _patch_family(name: str) -> None:
     family = FAMILIES[name]
     register_attention()
-    _set(family.cls("RMSNorm"), "forward", _norm_forward(family))
-    if family.swiglu_mlp:
-        mlp = family.cls("MLP")
-        _set(mlp, "forward", _mlp_forward(_hf_forward(mlp)))
-    if family.qkv_rope:
-        attention = family.cls("Attention")
-        _set(attention, "forward", _attention_forward(_hf_forward(attention), family))
-    if family.add_norm:
-        layer = family.cls("DecoderLayer")
-        _set(layer, "forward", _decoder_layer_forward(_hf_forward(layer), family))
-    rotary = family.cls("RotaryEmbedding")
-    _set(rotary, "forward", _rotary_forward(_hf_forward(rotary)))
-    causal_lm = family.cls("ForCausalLM")
-    _set(causal_lm, "forward", _causal_lm_forward(_hf_forward(causal_lm), family))
+    for owner, forward in _replacements(family).items():
+        _set(owner, "forward", forward)
     _patch_rope(family)
 
 
@@ -593,37 +602,18 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     state = getattr(base, "_tritonformer", None)
     if state is not None:
         return model
-    norm_cls = family.cls("RMSNorm")
-    mlp_cls = family.cls("MLP") if family.swiglu_mlp else None
-    attention_cls = family.cls("Attention") if family.qkv_rope else None
+    forwards = _replacements(family)
     causal_lm = family.cls("ForCausalLM")
-    hf_causal_lm_forward = _hf_forward(causal_lm)
-    hf_mlp_forward = _hf_forward(mlp_cls) if mlp_cls else None
-    hf_attention_forward = _hf_forward(attention_cls) if attention_cls else None
-    layer_cls = family.cls("DecoderLayer") if family.add_norm else None
-    hf_layer_forward = _hf_forward(layer_cls) if layer_cls else None
-    rotary_cls = family.cls("RotaryEmbedding")
-    hf_rotary_forward = _hf_forward(rotary_cls)
-    norm_forward = _norm_forward(family)
     previous_loss = {}
     patched = []
     for module in base.modules():
-        if type(module) is norm_cls:
-            module.forward = types.MethodType(norm_forward, module)
-        elif mlp_cls is not None and type(module) is mlp_cls:
-            module.forward = types.MethodType(_mlp_forward(hf_mlp_forward), module)
-        elif attention_cls is not None and type(module) is attention_cls:
-            module.forward = types.MethodType(_attention_forward(hf_attention_forward, family), module)
-        elif layer_cls is not None and type(module) is layer_cls:
-            module.forward = types.MethodType(_decoder_layer_forward(hf_layer_forward, family), module)
-        elif type(module) is rotary_cls:
-            module.forward = types.MethodType(_rotary_forward(hf_rotary_forward), module)
-        elif type(module) is causal_lm:
-            module.forward = types.MethodType(_causal_lm_forward(hf_causal_lm_forward, family), module)
+        forward = forwards.get(type(module))
+        if forward is None:
+            continue
+        module.forward = types.MethodType(forward, module)
+        if type(module) is causal_lm:
             previous_loss[module] = module.__dict__.get("_loss_function")
             module.loss_function = causal_lm_loss
-        else:
-            continue
         patched.append(module)
     _patch_rope(family, base)
     # Restores HF's rope once no patched model of the family is left, unpatched or not.

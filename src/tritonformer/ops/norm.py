@@ -434,11 +434,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     the result has the promoted dtype of x and the weight. offset=1 (GemmaRMSNorm): multiply
     by (1 + weight) in float32; the result has x's dtype.
     """
+    return _normalize(x, weight, None, eps, offset, True, _check_rms(x, weight, eps, offset))
+
+
+def _check_rms(x, weight, eps, offset) -> torch.dtype:
+    """Check rms_norm's arguments; the result's dtype (HF's: see rms_norm)."""
     _check_inputs(x, weight, None, eps)
     if not isinstance(offset, (int, float)):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
-    out_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
-    return _normalize(x, weight, None, eps, offset, True, out_dtype)
+    return torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -446,17 +450,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     """(rms_norm(h, weight, eps, offset), h) with h = x + residual (rounded to their dtype, as
     torch's add): a pre-norm Transformer block's residual add and the norm after it, in one
     kernel each way. x and residual have the same shape and dtype."""
-    _check_inputs(x, weight, None, eps)
+    out_dtype = _check_rms(x, weight, eps, offset)
     runtime.check_tensor("residual", residual, (x.dtype,))
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}: they must match")
     runtime.check_same_device(x=x, residual=residual)
-    if not isinstance(offset, (int, float)):
-        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if x.shape[-1] > FUSED_MAX_N:  # rows past the registers: the looped kernels, unfused
         h = x + residual
         return rms_norm(h, weight, eps, offset), h
-    out_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
         return AddRMSNormFunction.apply(x, residual, weight, eps, offset, out_dtype)
     y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)

@@ -412,12 +412,16 @@ class QKVRopeFunction(torch.autograd.Function):
         return dx, *dw, *db, None, None
 
 
+def _projected_heads(x, w_q, w_k, w_v, b_q, b_k, b_v, D: int) -> list[torch.Tensor]:
+    """q, k, v = x w^T + b by three projections, as (B, H, S, D) views."""
+    B, S = x.shape[:2]
+    return [torch.nn.functional.linear(x, w, b).view(B, S, -1, D).transpose(1, 2)
+            for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))]
+
+
 def _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v):
     """Three projections and apply_rope: what the fused path computes, where it does not apply."""
-    B, S = x.shape[:2]
-    D = cos.shape[-1]
-    q, k, v = (torch.nn.functional.linear(x, w, b).view(B, S, -1, D).transpose(1, 2)
-               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k, v = _projected_heads(x, w_q, w_k, w_v, b_q, b_k, b_v, cos.shape[-1])
     q, k = apply_rope(q, k, cos, sin, "bhsd", inplace=not torch.is_grad_enabled())
     return q, k, v
 
@@ -465,10 +469,7 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
 
 
 def qkv_rope_reference(x, w_q, w_k, w_v, cos, sin, b_q=None, b_k=None, b_v=None):
-    B, S = x.shape[:2]
-    D = cos.shape[-1]
-    q, k, v = (torch.nn.functional.linear(x, w, b).view(B, S, -1, D).transpose(1, 2)
-               for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+    q, k, v = _projected_heads(x, w_q, w_k, w_v, b_q, b_k, b_v, cos.shape[-1])
     q, k = apply_rope_reference(q, k, cos, sin, "bhsd")
     return q, k, v
 
