@@ -1,7 +1,9 @@
 """Launch shapes of scaled_matmul on the GPU: times each (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-stages) candidate, with the op's own split-K, against torch bf16 on the same shape.
+stages) candidate of the in-register kernel, with the op's own split-K, against torch bf16 on
+the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
+M, which is where DEQUANTIZE_FIRST_MIN_M comes from.
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [substring of the case labels to run]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths] [substring of the case labels to run]
 """
 
 import sys
@@ -14,8 +16,10 @@ from tritonformer.ops import scaled_matmul as sm
 
 CASES = [  # (label, M, N, K, fmt_a or None for bf16 activations, fmt_b, candidate launch shapes)
     *[(f"bf16 x {f} M{M}", M, N, 8192, None, f,
-       [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 64, 128, 2, 4)]
-       if M <= 16 else [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 5)])
+       [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 64, 128, 2, 4),
+        (16, 64, 128, 4, 2), (16, 128, 256, 8, 3)]
+       if M <= 16 else [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 5),
+                        (64, 32, 128, 4, 3), (64, 64, 128, 4, 2), (64, 64, 128, 8, 3), (64, 128, 128, 8, 3)])
       for f in ("nvfp4", "mxfp4", "mxfp8") for M in (1, 16, 64) for N in (8192, 28672)],
     *[(f"{fa} x {fb} 8192^3", 8192, 8192, 8192, fa, fb,
        [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4)])
@@ -24,8 +28,39 @@ CASES = [  # (label, M, N, K, fmt_a or None for bf16 activations, fmt_b, candida
      [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 8, 4), (128, 128, 64, 4, 3)]),
 ]
 
+PATH_MS = (16, 64, 128, 256, 512, 1024, 2048, 8192)
+
+
+def sweep_paths(only):
+    for fa, fb in ((None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")):
+        for M in PATH_MS:
+            label = f"{fa or 'bf16'} x {fb} M{M}"
+            if only not in label:
+                continue
+            N = K = 8192
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            a = quant.quantize(x, fa) if fa else x
+            b = quant.quantize(w, fb, axis=1)
+            peer = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
+            times = {}
+            for path, threshold in (("registers", 1 << 30), ("dequantize first", 0)):
+                sm.DEQUANTIZE_FIRST_MIN_M = threshold
+                times[path] = do_bench(lambda: sm.scaled_matmul(a, b), warmup=10, rep=50)
+            sm.DEQUANTIZE_FIRST_MIN_M = original_threshold
+            flops = 2 * M * N * K
+            row = " | ".join(f"{p} {t * 1e3:8.1f} us {flops / t * 1e-9:5.0f} TFLOP/s {peer / t:5.2f}x"
+                             for p, t in times.items())
+            print(f"{label:24s} torch bf16 {peer * 1e3:8.1f} us | {row}", flush=True)
+
+
 original = sm._launch_shape
-only = sys.argv[1] if len(sys.argv) > 1 else ""
+original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
+args = [a for a in sys.argv[1:] if a != "--paths"]
+only = args[0] if args else ""
+if "--paths" in sys.argv:
+    sweep_paths(only)
+    sys.exit()
 for label, M, N, K, fa, fb, shapes in CASES:
     if only not in label:
         continue

@@ -1,11 +1,13 @@
 """tritonformer.quant: the Triton quantize kernel against the PyTorch reference, bit for bit, and
 the formats' own properties (round trips, error bounds, special values, the 5D scale layout)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from conftest import ON_GPU
 from tritonformer import quant
 
 FORMATS = list(quant.FORMATS)
@@ -131,6 +133,32 @@ def test_mx_special_blocks(fmt, device):
     assert q.scales[2, 1] == quant.NAN_SCALE and out[2, 32:64].isnan().all()
     assert (out[3, :32] == 0).all()  # float32 subnormals flush to zero
     assert torch.allclose(out[3, 64:], x[3, 64:], rtol=0.25)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_kernel_equals_reference(fmt, dtype, device):
+    # Rows over many magnitudes (float16 overflows to inf on the largest, as torch's cast does),
+    # special blocks, an odd row count, K not a multiple of the kernel's column block, axis 0.
+    x = torch.randn(9, 96 + 32 * 20, device=device) * torch.logspace(-8, 8, 9, device=device)[:, None]
+    x[0, :32] = 0.0
+    if fmt != "nvfp4":  # nvfp4's recipe has no non-finite inputs
+        x[1, 40] = float("nan")
+    for q in (quant.quantize(x, fmt), quant.quantize(x.t(), fmt, axis=0)):
+        out = quant.dequantize(q, dtype)
+        ref = quant.dequantize_reference(q, dtype)
+        assert out.shape == ref.shape == q.shape and out.dtype == dtype
+        assert torch.equal(out.isnan(), ref.isnan())
+        if fmt == "nvfp4" and dtype == torch.bfloat16 and not ON_GPU:
+            # nvfp4's tensor scale makes values inexact in bf16, which the interpreter truncates.
+            torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    # Rows 3-6 of the stored (rows, K) layout without the tensor scale: exact in float32.
+    rows = quant.dequantize_rows(q, torch.float32, 3, 7, tensor_scale=False)
+    unscaled = dataclasses.replace(q, tensor_scale=torch.ones(1, device=device)) if q.tensor_scale is not None else q
+    ref = quant.dequantize_reference(unscaled)[:, 3:7].t()
+    assert rows.shape == (4, 96 + 32 * 20) and torch.equal(rows.nan_to_num(), ref.nan_to_num())
 
 
 def test_bf16_subnormals_and_large_values(device):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tritonformer import quant
+from tritonformer.ops import scaled_matmul as sm
 from tritonformer.ops.scaled_matmul import scaled_matmul, scaled_matmul_reference
 
 
@@ -37,6 +38,26 @@ def test_both_operands_block_scaled(fmt_a, fmt_b, device):
     ref = scaled_matmul_reference(a, b, torch.float32, bias=bias)
     assert out.shape == (M, N)
     assert _relative_error(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [(None, "nvfp4"), (None, "mxfp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+                                         ("mxfp8", "mxfp4")])
+def test_dequantize_first_path_in_slabs(fmt_a, fmt_b, device, monkeypatch):
+    # Every M takes the dequantize-then-matmul path, with B in slabs of 256 rows (the last one
+    # partial), bias and nvfp4's tensor scales applied in the matmul's epilogue.
+    monkeypatch.setattr(sm, "DEQUANTIZE_FIRST_MIN_M", 1)
+    monkeypatch.setattr(sm, "DEQUANTIZE_SLAB_BYTES", 1)
+    M, N, K = 19, 600, 64
+    x = torch.randn(M, K, device=device)
+    a = quant.quantize(x, fmt_a) if fmt_a else x.to(torch.bfloat16)
+    b = quant.quantize(torch.randn(N, K, device=device), fmt_b, axis=1)
+    bias = torch.randn(N, device=device)
+    out = scaled_matmul(a, b, out_dtype=torch.float32, bias=bias)
+    ref = scaled_matmul_reference(a, b, torch.float32, bias=bias)
+    assert _relative_error(out, ref) <= 1e-5
+    out16 = scaled_matmul(a, b, bias=bias)
+    assert out16.dtype == torch.bfloat16 and _relative_error(out16, ref) <= 4e-3
+    assert torch.equal(scaled_matmul(a, b, out_dtype=torch.float32, bias=bias), out)  # replayed launches
 
 
 def test_bad_input_is_named(device):

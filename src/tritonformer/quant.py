@@ -1,7 +1,7 @@
 """Block-scaled low-precision formats: mxfp8, mxfp4 (OCP Microscaling v1.0) and nvfp4.
 
     q = quantize(x, "mxfp8")        # blocks of 32 along the last axis (axis=... picks another)
-    x2 = dequantize(q)              # float32 by default
+    x2 = dequantize(q)              # float32 by default (a Triton kernel; dequantize_reference in PyTorch)
 
 | format | element | block | block scale | tensor scale |
 |---|---|---|---|---|
@@ -22,8 +22,9 @@ Rounding and saturation:
 - nvfp4 (NVIDIA's recipe): tensor scale s = amax(x) / (448 * 6) (1 for an all-zero tensor);
   block scale = e4m3(amax(block) / 6 / s), rounded to nearest even (it cannot exceed 448);
   elements = e2m1(x / (block scale * s)), rounded to nearest even and saturated at 6; a block
-  whose scale rounds to 0 has zero elements. Non-finite inputs are not supported by the recipe:
-  they give NaN in the tensor scale.
+  whose scale rounds to 0 has zero elements. Non-finite inputs are not supported by the recipe
+  (its tensor scale is then meaningless). Dequantized: element times block scale (exact in float32),
+  times the tensor scale (one rounding).
 
 Storage: `data` is (rows, K) float8_e4m3fn for mxfp8, or (rows, K / 2) uint8 for the fp4
 formats, the element of even index in the low nibble (sign in bit 3, then 2 exponent bits, 1
@@ -171,6 +172,152 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
 _launch_quantize = runtime.FastLaunch(_quantize_kernel)
 
 
+# ---- decoding (the dequantize kernel and scaled_matmul's tiles) ----
+
+@triton.jit
+def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexpr, VEC: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K // VEC) float32 block scales from their bytes; rows past n_rows read 0."""
+    blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
+    ok = (rows[:, None] < n_rows) & (blocks[None, :] < K // VEC)
+    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=ok, other=0)
+    if FMT == "nvfp4":
+        # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    exp = raw.to(tl.int32)
+    # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
+    return tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, one code per
+    element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) float16 bits
+    worth 2^-14 times the value: the sign and the 3 magnitude bits moved to float16's places, where
+    e2m1's subnormal (0.5) lands on float16's subnormal, so no arithmetic decodes them."""
+    row_ok = rows[:, None] < n_rows
+    # One return statement: with an early return in the mxfp8 branch the sm_90 compile failed.
+    if FMT == "mxfp8":
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok & (cols[None, :] < K)
+        codes = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0)
+    else:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ok = row_ok & (half[None, :] < K // 2)
+        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
+        lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+        hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+        codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
+    return codes
+
+
+# e2m1 to bf16 on the GPU, four elements (two code bytes, each given twice) per instance: the
+# magnitude codes pick the high and the low bytes of their bf16 values out of two 8-byte tables
+# with byte permutes (prmt), the sign bits are permuted into place, then one bf16x2 multiply by
+# the block scales (exact: 2 significant bits times 4). About 4 instructions an element where
+# the arithmetic decode takes 10 (sm_90 SASS of the scaled_matmul loop); the interpreter cannot
+# run PTX and takes the arithmetic decode.
+_E2M1_TO_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 s, s4, m, h, l, t;
+prmt.b32 s, $2, 0, 0x4420;
+and.b32 m, s, 0x7777;
+prmt.b32 h, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 l, 0xC0800000, 0xC0804000, m;
+shl.b32 s4, s, 4;
+prmt.b32 t, s4, s, 0x4303;
+and.b32 t, t, 0x80008000;
+prmt.b32 $0, l, h, 0x5140;
+or.b32 $0, $0, t;
+mul.rn.bf16x2 $0, $0, $3;
+prmt.b32 t, s4, s, 0x5313;
+and.b32 t, t, 0x80008000;
+prmt.b32 $1, l, h, 0x7362;
+or.b32 $1, $1, t;
+mul.rn.bf16x2 $1, $1, $4;
+}
+""")
+_PTX_DECODE = tl.constexpr(not runtime.INTERPRET)
+
+
+@triton.jit
+def dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
+                     FMT: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K) values (nvfp4's tensor scale not applied), out of range reads 0: bf16 for
+    the fp4 formats on the GPU, else float32 (either way exact)."""
+    scale = _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT, VEC, BLOCK_K)
+    if FMT != "mxfp8" and _PTX_DECODE:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ok = (rows[:, None] < n_rows) & (half[None, :] < K // 2)
+        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0)
+        codes = tl.reshape(tl.join(packed, packed), (ROWS, BLOCK_K))
+        scale16 = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // VEC, VEC))
+        values = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,r,r,r",
+                                           [codes, tl.reshape(scale16, (ROWS, BLOCK_K))],
+                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        codes = _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT, ROWS, BLOCK_K)
+        if FMT == "mxfp8":
+            values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = codes.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+        values = tl.reshape(tl.reshape(values, (ROWS, BLOCK_K // VEC, VEC)) * scale[:, :, None], (ROWS, BLOCK_K))
+    return values
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, scale_ptr, tensor_scale_ptr, out_ptr, n_rows, K, stride_data, stride_scale,
+                       stride_out, FMT: tl.constexpr, VEC: tl.constexpr, TENSOR_SCALE: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ROWS rows by BLOCK_K columns of the (n_rows, K) values, times the tensor scale when
+    TENSOR_SCALE (after the block scale: element times block scale is exact, so the value is
+    rounded once)."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    values = dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
+                              FMT, VEC, ROWS, BLOCK_K)
+    if TENSOR_SCALE:
+        values = values * tl.load(tensor_scale_ptr)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < n_rows) & (cols[None, :] < K))
+
+
+_launch_dequantize = runtime.FastLaunch(_dequantize_kernel)
+
+
+def dequantize_rows(q: QuantizedTensor, dtype: torch.dtype, start: int = 0, stop: int | None = None,
+                    tensor_scale: bool = True) -> torch.Tensor:
+    """Rows [start, stop) of q in its stored (rows, K) layout (the quantized axis last), in
+    `dtype`; nvfp4's tensor scale is left out when tensor_scale is False."""
+    K = q.shape[q.axis]
+    data, scales = q.data[start:stop], q.scales[start:stop]
+    n = data.shape[0]
+    out = runtime.empty((n, K), dtype, data.device)
+    if n and K:
+        block_k = min(512, triton.next_power_of_2(K))
+        rows = max(1, 2048 // block_k)
+        apply_scale = tensor_scale and q.tensor_scale is not None
+        # e4m3 bytes go in as uint8 (the kernel bitcasts them).
+        data, scales = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (data, scales))
+        _launch_dequantize((triton.cdiv(n, rows), triton.cdiv(K, block_k)), data, scales,
+                           q.tensor_scale if apply_scale else scales, out, n, K, data.stride(0), scales.stride(0),
+                           out.stride(0), FMT=q.fmt, VEC=q.block, TENSOR_SCALE=apply_scale, ROWS=rows,
+                           BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor q stands for, in `dtype` (float32, float16 or bfloat16), in its logical shape
+    (a view with the quantized axis moved back in place)."""
+    if dtype not in runtime.FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    moved = list(q.shape)
+    moved.append(moved.pop(q.axis))
+    return dequantize_rows(q, dtype).reshape(moved).movedim(-1, q.axis)
+
+
 def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     """Block-scale x (float32, float16 or bfloat16) along `axis`, whose size must be a multiple
     of the format's block (32, or 16 for nvfp4)."""
@@ -206,7 +353,7 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
 
 
-# ---- dequantize and references (PyTorch) ----
+# ---- references (PyTorch) ----
 
 def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """(rows, K / 2) uint8 -> (rows, K) float32."""
@@ -222,18 +369,17 @@ def _e8m0_decode(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == NAN_SCALE, torch.full_like(value, float("nan")), value)
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tensor q stands for, in `dtype`, in its logical shape."""
+def dequantize_reference(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize in plain PyTorch."""
     vec = q.block
     if q.fmt == "mxfp8":
         values = q.data.float()
     else:
         values = _e2m1_decode(q.data)
-    if q.fmt == "nvfp4":
-        scale = q.scales.float() * q.tensor_scale.float()
-    else:
-        scale = _e8m0_decode(q.scales)
+    scale = q.scales.float() if q.fmt == "nvfp4" else _e8m0_decode(q.scales)
     rows = values.reshape(values.shape[0], q.shape[q.axis] // vec, vec) * scale[..., None]
+    if q.fmt == "nvfp4":
+        rows = rows * q.tensor_scale.float()
     moved = list(q.shape)
     moved.append(moved.pop(q.axis))
     return rows.reshape(moved).movedim(-1, q.axis).to(dtype)

@@ -8,16 +8,21 @@ B's quantized axis is the reduction axis: B of logical shape (K, N) quantized al
 gives A @ B, and (N, K) quantized along axis 1 (a weight in nn.Linear's layout) gives A @ B.T;
 either way it is stored as (N, K) rows. A is (M, K), quantized along K when block-scaled.
 
-Hopper (sm_90) has no block-scaled tensor-core instruction, so each program dequantizes its
-tiles in registers to bf16 (e4m3 or e2m1 times a power of two or an e4m3 scale is exact in
-bf16), the tensor cores take bf16 x bf16 with float32 accumulation, and nvfp4's per-tensor scales
-multiply the accumulator once at the end: the result equals dequantize-then-matmul in float32 up
-to the order of the float32 sums. (e4m3 tensor-core products per 32-wide scale block, the
-partial sums scaled in float32, measured 134 TFLOP/s against this scheme's 243 at 8192^3 on the
-H100: see docs/perf-notes.md.)
-The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales: for small M,
-where a bf16 matmul is bound by reading the weight, that is the speed-up; a grid of few output
-tiles splits K so that every SM streams the weight.
+Hopper (sm_90) has no block-scaled tensor-core instruction, so the operands become bf16 (e4m3 or
+e2m1 times a power of two or an e4m3 scale is exact in bf16) for the bf16 tensor cores with
+float32 accumulation, and nvfp4's per-tensor scales multiply the accumulator once at the end:
+the result equals dequantize-then-matmul in float32 up to the order of the float32 sums. Two
+ways, by M:
+- few rows (M < DEQUANTIZE_FIRST_MIN_M: decoding, weight-only inference): one kernel whose
+  programs dequantize their tiles in registers. The weights move 1 byte (fp8) or half a byte
+  (fp4) per element plus the scales, which is the speed-up where a bf16 matmul is bound by
+  reading the weight; a grid of few output tiles splits K so that every SM streams the weight.
+- many rows (from 512): dequantize into bf16 buffers (A whole, B in slabs of at most 64 MiB),
+  then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
+  5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against torch bf16's 652-672 in the same runs).
+  Decoding in registers there costs each tile of B once per tile of M on the CUDA cores (207-262
+  TFLOP/s at 8192^3), and e4m3 tensor-core products per 32-wide scale block, the partial sums
+  scaled in float32, measured 134 TFLOP/s (see docs/perf-notes.md).
 (tl.dot_scaled, the hardware path of sm_100, is the next step; it does not run under the
 interpreter, while these kernels do.)
 """
@@ -29,61 +34,10 @@ import triton
 import triton.language as tl
 
 from .. import quant, runtime
-from .matmul import _epilogue_store, _launch_split_k_reduce
+from .matmul import MAX_REPLAYS, _epilogue_store, _launch_split_k_reduce, _one_matrix_strides, _replay_key
+from .matmul import _launch as _launch_matmul
 from ..quant import FORMATS, QuantizedTensor
 from ..spec import Bench, BenchCase, OpSpec, TestCase
-
-
-@triton.jit
-def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """(rows, BLOCK_K // VEC) float32 block scales from their bytes; rows past n_rows read 0."""
-    blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
-    ok = (rows[:, None] < n_rows) & (blocks[None, :] < K // VEC)
-    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=ok, other=0)
-    if FMT == "nvfp4":
-        # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    exp = raw.to(tl.int32)
-    # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
-    return tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, one code per
-    element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) float16 bits
-    worth 2^-14 times the value: the sign and the 3 magnitude bits moved to float16's places, where
-    e2m1's subnormal (0.5) lands on float16's subnormal, so no arithmetic decodes them."""
-    row_ok = rows[:, None] < n_rows
-    # One return statement: with an early return in the mxfp8 branch the sm_90 compile failed.
-    if FMT == "mxfp8":
-        cols = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok & (cols[None, :] < K)
-        codes = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0)
-    else:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ok = row_ok & (half[None, :] < K // 2)
-        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
-        lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
-        hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
-        codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
-    return codes
-
-
-@triton.jit
-def _dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stride_scale,
-                      FMT: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(rows, BLOCK_K) float32 values (nvfp4's tensor scale not applied); out of range reads 0."""
-    codes = _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT, ROWS, BLOCK_K)
-    if FMT == "mxfp8":
-        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        values = codes.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-    scale = _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT, VEC, BLOCK_K)
-    scaled = tl.reshape(values, (ROWS, BLOCK_K // VEC, VEC)) * scale[:, :, None]
-    return tl.reshape(scaled, (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -114,11 +68,11 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
             if UPCAST:
                 a = a.to(tl.float32)
         else:
-            a = _dequantized_tile(a_ptr, a_scale_ptr, rows_a64, M, k0, K, stride_am, stride_as,
+            a = quant.dequantized_tile(a_ptr, a_scale_ptr, rows_a64, M, k0, K, stride_am, stride_as,
                                   A_FMT, A_VEC, BLOCK_M, BLOCK_K)
             if not UPCAST:
                 a = a.to(tl.bfloat16)
-        b = _dequantized_tile(b_ptr, b_scale_ptr, rows_b64, N, k0, K, stride_bn, stride_bs,
+        b = quant.dequantized_tile(b_ptr, b_scale_ptr, rows_b64, N, k0, K, stride_bn, stride_bs,
                               B_FMT, B_VEC, BLOCK_N, BLOCK_K)
         if not UPCAST:
             b = b.to(tl.bfloat16)
@@ -133,6 +87,11 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
 
 
 _launch = runtime.FastLaunch(_scaled_matmul_kernel)
+# From this many rows of A on, dequantizing into memory first and running the bf16 matmul beats
+# dequantizing in registers (each B tile is decoded once per M tile there).
+DEQUANTIZE_FIRST_MIN_M = 512
+# Most bf16 bytes of B dequantized at once on that path.
+DEQUANTIZE_SLAB_BYTES = 64 * 2**20
 
 
 def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
@@ -140,11 +99,12 @@ def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     narrow M tiles (and split-K, see _split_k); large M takes square tiles."""
     if runtime.INTERPRET:
         return 16, 32, 64, 4, 1
+    # Weight-only fp4 at N = 28672 (scripts/sweep_scaled_matmul.py, H100): M <= 16 111 us against
+    # 114-134 for 16 x 64 x 128 on 4 stages; M = 64 166-173 us against 207-220 on 4 stages.
     if M <= 16:
-        # BLOCK_K 256 spills at 255 registers with nvfp4 (offline sm_90 compile); 128 does not.
-        return 16, 64, 128, 4, 4
+        return 16, 64, 256, 4, 3
     if M <= 64:
-        return 64, 64, 128, 4, 4
+        return 64, 64, 128, 4, 2
     # 128 x 256 measured 207 against 184 TFLOP/s for nvfp4 x nvfp4 at 8192^3.
     return 128, 256, 64, 8, 3
 
@@ -205,40 +165,104 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     for t in (a, b):
         if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
+    if M >= DEQUANTIZE_FIRST_MIN_M:
+        _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
+    else:
+        _in_registers(a_fmt, a_data, a_scales, b, c, M, N, K, bias, tensor_scale)
+    return c
+
+
+def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
+    """One kernel: every program dequantizes its tiles of B (and A) in registers. The launches
+    are planned once per signature and replayed (host time per call 77 -> about 30 us on the
+    H100 machine: more than the GPU time of a decode-sized call, see docs/perf-notes.md)."""
+    # Quantized data is stored contiguous, so stride(1) is 1 there; e4m3 bytes go in as uint8.
+    a_data, b_data = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (a_data, b.data))
+    a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
+    bias_arg = bias if bias is not None else c
+    scale_arg = tensor_scale if tensor_scale is not None else c
+    key = (M, N, K, a_fmt, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
+           a_data.stride(), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
+           *(t.data_ptr() % 16 for t in (a_data, a_scales, b_data, b_scales, bias_arg)))
+    plan = _register_plans.get(key)
+    if plan is None:
+        plan = _register_plans[key] = _plan_in_registers(a_fmt, b, M, N, K, c.device)
+    grid, split, k_per_split, reduce_grid, reduce_block, constexprs, entries = plan
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=c.device) if split > 1 else c
+    args = (a_data, a_scales, b_data, b_scales, c, ws, bias_arg, scale_arg, M, N, K, k_per_split,
+            a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
+            c.stride(0), c.stride(1))
+    reduce_args = (ws, c, c, bias_arg, scale_arg, c, M, N, c.stride(0), c.stride(1), 0.0)
+    if entries:
+        _launch.replay(entries[0], grid, *args)
+        if split > 1:
+            _launch_split_k_reduce.replay(entries[1], reduce_grid, *reduce_args)
+        return
+    entries.append(_launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
+                           TENSOR_SCALE=int(tensor_scale is not None)))
+    if split > 1:
+        entries.append(_launch_split_k_reduce(
+            reduce_grid, *reduce_args, SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=0,
+            SCALE_A=int(tensor_scale is not None), SCALE_B=0, STORE_PRE=False, BLOCK_M=reduce_block,
+            BLOCK_N=reduce_block))
+
+
+def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
+    """[grid, split, k_per_split, the split-K reduction's grid and block, constexprs, launch entries
+    (filled by the first launch)]."""
     bm, bn, bk, warps, stages = _launch_shape(M)
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
-    vec_a = a.block if isinstance(a, QuantizedTensor) else b.block
+    vec_a = FORMATS[a_fmt][0] if a_fmt != "bf16" else b.block
     bk = max(bk, vec_a, b.block)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split = _split_k(tiles, K, bk, device)
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=device) if split > 1 else c
-    # Quantized data is stored contiguous, so stride(1) is 1 there; e4m3 bytes go in as uint8.
-    a_strides = (a_data.stride(0), a_data.stride(1), a_scales.stride(0))
-    a_data, b_data = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (a_data, b.data))
-    a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
-    bias_arg = bias if bias is not None else c
-    scale_arg = tensor_scale if tensor_scale is not None else c
-    _launch((triton.cdiv(M, bm), triton.cdiv(N, bn), split), a_data, a_scales, b_data, b_scales, c, ws,
-            bias_arg, scale_arg, M, N, K, k_per_split, *a_strides, b.data.stride(0), b.scales.stride(0),
-            c.stride(0), c.stride(1), A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block,
-            SPLIT_K=split, HAS_BIAS=bias is not None, TENSOR_SCALE=int(tensor_scale is not None),
-            UPCAST=runtime.INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    if split > 1:
-        block = 32 if runtime.INTERPRET else 64
-        _launch_split_k_reduce((triton.cdiv(M, block), triton.cdiv(N, block)), ws, c, c, bias_arg, scale_arg, c,
-                               M, N, c.stride(0), c.stride(1), 0.0, SPLIT_K=split, HAS_BIAS=bias is not None,
-                               ACTIVATION=0, SCALE_A=int(tensor_scale is not None), SCALE_B=0, STORE_PRE=False,
-                               BLOCK_M=block, BLOCK_N=block)
-    return c
+    block = 32 if runtime.INTERPRET else 64
+    constexprs = dict(A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, SPLIT_K=split, UPCAST=runtime.INTERPRET,
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return [(triton.cdiv(M, bm), triton.cdiv(N, bn), split), split, k_per_split,
+            (triton.cdiv(M, block), triton.cdiv(N, block)), block, constexprs, []]
+
+
+_register_plans: dict[tuple, list] = {}
+
+
+def _dequantize_first(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
+    """Dequantize to bf16 in memory, then tritonformer's bf16 matmul: A whole (when quantized),
+    B in slabs of rows (output columns) of at most DEQUANTIZE_SLAB_BYTES, each slab's product
+    written into its columns of c, so the workspace stays bounded for a large weight. A slab's
+    matmul replays its planned launch when the signature repeats (matmul's host time per call
+    is 95 us when planned afresh, 35 us replayed)."""
+    a16 = quant.dequantize_rows(a, torch.bfloat16, tensor_scale=False) if isinstance(a, QuantizedTensor) else a
+    slab = max(256, DEQUANTIZE_SLAB_BYTES // (2 * K) // 256 * 256)
+    for n0 in range(0, N, slab):
+        n1 = min(N, n0 + slab)
+        b16 = quant.dequantize_rows(b, torch.bfloat16, n0, n1, tensor_scale=False).t()
+        c_slab = c[:, n0:n1]
+        bias_slab = bias[n0:n1] if bias is not None else None
+        key = (_replay_key(a16, b16, bias_slab, tensor_scale, None, 0, 0.0, c.dtype, False), c_slab.stride(),
+               c_slab.data_ptr() % 16)
+        replay = _slab_replays.get(key)
+        if replay is not None:
+            replay(a16, b16, c_slab, None, bias_slab, tensor_scale, None)
+            continue
+        replay = _launch_matmul(a16, _one_matrix_strides(a16), b16, _one_matrix_strides(b16), c_slab,
+                                (M * N, *c_slab.stride()), None, 1, M, n1 - n0, K, bias_slab, tensor_scale, None, 0, 0.0)
+        if replay is not None:
+            if len(_slab_replays) >= MAX_REPLAYS:
+                _slab_replays.clear()
+            _slab_replays[key] = replay
+
+
+_slab_replays: dict[tuple, object] = {}
 
 
 def scaled_matmul_reference(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize, then a float32 matmul."""
-    a32 = a.dequantize() if isinstance(a, QuantizedTensor) else a.float()
-    b32 = b.dequantize()
+    a32 = quant.dequantize_reference(a) if isinstance(a, QuantizedTensor) else a.float()
+    b32 = quant.dequantize_reference(b)
     if b.axis == 1:
         b32 = b32.t()
     out = a32 @ b32
@@ -298,7 +322,8 @@ def _bench_cases() -> list[BenchCase]:
             x = torch.randn(n, n, device=dev, dtype=bf16)
             weight = torch.randn(n, n, device=dev, dtype=bf16)
             a, b = quant.quantize(x, fmt_a), quant.quantize(weight, fmt_b, axis=1)
-            providers = {"tritonformer": lambda: scaled_matmul(a, b), "torch bf16": lambda: x @ weight.t()}
+            providers = {"tritonformer": lambda: scaled_matmul(a, b), "torch bf16": lambda: x @ weight.t(),
+                         "dequantize+torch": lambda: a.dequantize(bf16) @ b.dequantize(bf16).t()}
             if fmt_a == fmt_b == "mxfp8" and not runtime.INTERPRET:
                 a8, b8 = x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn)
                 ones_a = torch.ones(n, 1, device=dev)
