@@ -190,22 +190,27 @@ def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexp
 
 
 @triton.jit
+def _packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K: tl.constexpr):
+    """(rows, BLOCK_K // 2) bytes of an fp4 operand, two e2m1 codes each; out of range reads 0."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ok = (rows[:, None] < n_rows) & (half[None, :] < K // 2)
+    return tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0)
+
+
+@triton.jit
 def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """(rows, BLOCK_K) of a block-scaled operand stored as (rows, K) elements, one code per
     element: e4m3 bytes for mxfp8; for e2m1 (packed two per byte, low nibble first) float16 bits
     worth 2^-14 times the value: the sign and the 3 magnitude bits moved to float16's places, where
     e2m1's subnormal (0.5) lands on float16's subnormal, so no arithmetic decodes them."""
-    row_ok = rows[:, None] < n_rows
     # One return statement: with an early return in the mxfp8 branch the sm_90 compile failed.
     if FMT == "mxfp8":
         cols = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok & (cols[None, :] < K)
+        ok = (rows[:, None] < n_rows) & (cols[None, :] < K)
         codes = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0)
     else:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ok = row_ok & (half[None, :] < K // 2)
-        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0).to(tl.int32)
+        packed = _packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K).to(tl.int32)
         lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
         hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
         codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
@@ -248,9 +253,7 @@ def dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stri
     the fp4 formats on the GPU, else float32 (either way exact)."""
     scale = _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT, VEC, BLOCK_K)
     if FMT != "mxfp8" and _PTX_DECODE:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ok = (rows[:, None] < n_rows) & (half[None, :] < K // 2)
-        packed = tl.load(data_ptr + rows[:, None] * stride_data + half[None, :], mask=ok, other=0)
+        packed = _packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K)
         codes = tl.reshape(tl.join(packed, packed), (ROWS, BLOCK_K))
         scale16 = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // VEC, VEC))
         values = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,r,r,r",

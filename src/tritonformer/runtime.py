@@ -176,6 +176,20 @@ def specialization_class(arg):
     return arg
 
 
+class PlanTable(dict):
+    """Launch plans by call signature. Many distinct signatures (say, every sequence length of a
+    varying batch) start the table over at `limit` entries instead of growing it without end."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, plan) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+
+
 class FastLaunch:
     """`kernel[grid](*args, **kwargs)` at a fraction of the host cost, with the runtime arguments
     passed by position and the constexprs and launch options by keyword.

@@ -411,15 +411,11 @@ def matmul_fwd(
                          a_op.shape[0], M, N, K, *epilogue)
     # A replay passes the caller's tensors: only valid where the operands were views of them.
     if replay is not None and a_op.data_ptr() == a.data_ptr() and b_op.data_ptr() == b.data_ptr():
-        if len(_replays) >= MAX_REPLAYS:
-            _replays.clear()
-        _replays[key] = (shape, dtype, replay)
+        _replays.put(key, (shape, dtype, replay))
     return out, pre
 
 
-_replays: dict[tuple, tuple] = {}
-# Many distinct signatures (say, every sequence length of a varying batch) start the table over.
-MAX_REPLAYS = 4096
+_replays = runtime.PlanTable()
 
 
 def _replay_key(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre) -> tuple:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import quant, runtime
-from .matmul import MAX_REPLAYS, _epilogue_store, _launch_split_k_reduce, _one_matrix_strides, _replay_key
+from .matmul import _epilogue_store, _launch_split_k_reduce, _one_matrix_strides, _replay_key
 from .matmul import _launch as _launch_matmul
 from ..quant import FORMATS, QuantizedTensor
 from ..spec import Bench, BenchCase, OpSpec, TestCase
@@ -186,7 +186,8 @@ def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias,
            *(t.data_ptr() % 16 for t in (a_data, a_scales, b_data, b_scales, bias_arg)))
     plan = _register_plans.get(key)
     if plan is None:
-        plan = _register_plans[key] = _plan_in_registers(a_fmt, b, M, N, K, c.device)
+        plan = _plan_in_registers(a_fmt, b, M, N, K, c.device)
+        _register_plans.put(key, plan)
     grid, split, k_per_split, reduce_grid, reduce_block, constexprs, entries = plan
     ws = torch.empty((split, M, N), dtype=torch.float32, device=c.device) if split > 1 else c
     args = (a_data, a_scales, b_data, b_scales, c, ws, bias_arg, scale_arg, M, N, K, k_per_split,
@@ -225,7 +226,7 @@ def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
             (triton.cdiv(M, block), triton.cdiv(N, block)), block, constexprs, []]
 
 
-_register_plans: dict[tuple, list] = {}
+_register_plans = runtime.PlanTable()
 
 
 def _dequantize_first(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
@@ -250,12 +251,10 @@ def _dequantize_first(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> 
         replay = _launch_matmul(a16, _one_matrix_strides(a16), b16, _one_matrix_strides(b16), c_slab,
                                 (M * N, *c_slab.stride()), None, 1, M, n1 - n0, K, bias_slab, tensor_scale, None, 0, 0.0)
         if replay is not None:
-            if len(_slab_replays) >= MAX_REPLAYS:
-                _slab_replays.clear()
-            _slab_replays[key] = replay
+            _slab_replays.put(key, replay)
 
 
-_slab_replays: dict[tuple, object] = {}
+_slab_replays = runtime.PlanTable()
 
 
 def scaled_matmul_reference(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
