@@ -299,12 +299,12 @@ def dequantize_rows(q: QuantizedTensor, dtype: torch.dtype, start: int = 0, stop
     n = data.shape[0]
     out = runtime.empty((n, K), dtype, data.device)
     if n and K:
-        block_k = min(512, triton.next_power_of_2(K))
+        block_k = min(512, runtime.next_power_of_2(K))
         rows = max(1, 2048 // block_k)
         apply_scale = tensor_scale and q.tensor_scale is not None
         # e4m3 bytes go in as uint8 (the kernel bitcasts them).
         data, scales = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (data, scales))
-        _launch_dequantize((triton.cdiv(n, rows), triton.cdiv(K, block_k)), data, scales,
+        _launch_dequantize((runtime.cdiv(n, rows), runtime.cdiv(K, block_k)), data, scales,
                            q.tensor_scale if apply_scale else scales, out, n, K, data.stride(0), scales.stride(0),
                            out.stride(0), FMT=q.fmt, VEC=q.block, TENSOR_SCALE=apply_scale, ROWS=rows,
                            BLOCK_K=block_k, num_warps=4)
@@ -349,8 +349,8 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     if M and K:
         # Elements a program (4 warps): mxfp8 2048, 1738 GB/s against 1630 at 4096; the fp4
         # formats 4096 (scripts/sweep_quantize.py, H100).
-        blocks = max(1, min(triton.next_power_of_2(K // vec), (2048 if fmt == "mxfp8" else 4096) // vec))
-        _launch_quantize((M, triton.cdiv(K // vec, blocks)), rows, data, scales,
+        blocks = max(1, min(runtime.next_power_of_2(K // vec), (2048 if fmt == "mxfp8" else 4096) // vec))
+        _launch_quantize((M, runtime.cdiv(K // vec, blocks)), rows, data, scales,
                          tensor_scale if tensor_scale is not None else scales, K, rows.stride(0),
                          FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, num_warps=4)
     return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
@@ -442,7 +442,7 @@ def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) scales -> (ceil(rows / 128), ceil(cols / 4), 32, 4, 4), zero padded: row
     r = 128 i + 32 b + a and column c = 4 j + k land at [i, j, a, b, k]."""
     rows, cols = scales.shape
-    R, C = triton.cdiv(rows, 128), triton.cdiv(cols, 4)
+    R, C = runtime.cdiv(rows, 128), runtime.cdiv(cols, 4)
     padded = scales.new_zeros((R * 128, C * 4))
     padded[:rows, :cols] = scales
     return padded.reshape(R, 4, 32, C, 4).permute(0, 3, 2, 1, 4).contiguous()

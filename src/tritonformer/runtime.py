@@ -331,6 +331,17 @@ def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
     return wrap
 
 
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv for the host: Triton 3.6's is a constexpr function whose call costs 2-4 us of
+    host time, several a launch on paths where each microsecond shows."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for the host (see cdiv); 1 for n <= 1."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

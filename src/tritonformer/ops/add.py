@@ -97,7 +97,7 @@ def add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = runtime.empty(x.shape, result_dtype(x, y), x.device)
         n = out.numel()
         if n:
-            _launch_add((triton.cdiv(n, BLOCK),), x, y, out, n, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+            _launch_add((runtime.cdiv(n, BLOCK),), x, y, out, n, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                         CONTIGUOUS=True, INDEX_64=n >= 2**31, IS_FLOAT=out.dtype.is_floating_point,
                         BLOCK=BLOCK, num_warps=8)
         return out
@@ -117,7 +117,7 @@ def add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     pad = MAX_STRIDED_DIMS - len(sizes)
     sizes, xs, ys = [1] * pad + sizes, [0] * pad + xs, [0] * pad + ys
     _launch_add(
-        (triton.cdiv(n, BLOCK),), xe, ye, out, n, sizes[1], sizes[2], sizes[3], *xs, *ys,
+        (runtime.cdiv(n, BLOCK),), xe, ye, out, n, sizes[1], sizes[2], sizes[3], *xs, *ys,
         CONTIGUOUS=contiguous, INDEX_64=runtime.needs_int64(out, xe, ye),
         IS_FLOAT=out.dtype.is_floating_point, BLOCK=BLOCK, num_warps=8,
     )

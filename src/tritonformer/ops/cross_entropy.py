@@ -234,7 +234,7 @@ _launch_scale = runtime.FastLaunch(_scale_kernel)
 
 def _row_launch(V: int, row_chunk: int = ROW_CHUNK) -> dict:
     """Launch settings for a program that loops over a row of V logits."""
-    chunk = min(row_chunk, triton.next_power_of_2(V))
+    chunk = min(row_chunk, runtime.next_power_of_2(V))
     return {"CHUNK": chunk, "STAGES": ROW_STAGES, "num_warps": max(1, min(ROW_WARPS, chunk // 512))}
 
 
@@ -256,7 +256,7 @@ def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> 
     # `count` stands in for a missing divisor (never read): FastLaunch replays take tensors.
     _launch_reduce((1,), row_loss, target, out, count, count if divisor is None else divisor, N,
                    target.stride(0), ignore_index, MEAN=mean, HAS_DIVISOR=divisor is not None,
-                   BLOCK=min(REDUCE_BLOCK, max(16, triton.next_power_of_2(N))), num_warps=4)
+                   BLOCK=min(REDUCE_BLOCK, max(16, runtime.next_power_of_2(N))), num_warps=4)
 
 
 def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction):
@@ -292,7 +292,7 @@ def _grad_into(dx, logits, target, stats, count, grad_loss, ignore_index, label_
     if N == 0:
         return
     stride_grad = grad_loss.stride(0) if reduction == "none" else 0
-    _launch_bwd((N, triton.cdiv(V, BWD_BLOCK)), logits, target, stats, grad_loss, count, dx,
+    _launch_bwd((N, runtime.cdiv(V, BWD_BLOCK)), logits, target, stats, grad_loss, count, dx,
                 V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing,
                 z_loss, MEAN=reduction == "mean", **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK,
                 num_warps=BWD_WARPS)
@@ -518,7 +518,7 @@ def scale_(x: torch.Tensor, factor: torch.Tensor) -> None:
     """x *= factor (a one-element tensor), computed in float32, for contiguous x."""
     n = x.numel()
     if n:
-        _launch_scale((triton.cdiv(n, SCALE_BLOCK),), x, factor, n, BLOCK=SCALE_BLOCK, num_warps=8)
+        _launch_scale((runtime.cdiv(n, SCALE_BLOCK),), x, factor, n, BLOCK=SCALE_BLOCK, num_warps=8)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):

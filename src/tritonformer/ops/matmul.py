@@ -299,7 +299,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     element_size = a.element_size()
 
     def grid(meta):
-        tiles = batch * split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = batch * split_k * runtime.cdiv(M, meta["BLOCK_M"]) * runtime.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, runtime.num_sms(a.device.index or 0) * _programs_per_sm(meta, element_size)),)
 
     def epilogue_tensors(c, pre, bias, scale_a, scale_b):
@@ -321,7 +321,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     main = _launch_matmul(key, grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b), *scalars, **constexprs)
     if split_k > 1:
         block = 32 if runtime.INTERPRET else 64
-        reduce_grid = (triton.cdiv(M, block), triton.cdiv(N, block))
+        reduce_grid = (runtime.cdiv(M, block), runtime.cdiv(N, block))
         reduce_scalars = (M, N, c_strides[1], c_strides[2], negative_slope)
         reduce_constexprs = dict(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=scale_a_mode,

@@ -114,7 +114,7 @@ def _split_k(tiles: int, K: int, block_k: int, device) -> int:
     SM streaming the weight; each split keeps at least 1024 of K."""
     if runtime.INTERPRET:
         return 2 if K >= 2 * block_k else 1
-    want = triton.cdiv(4 * runtime.num_sms(device.index or 0), tiles)
+    want = runtime.cdiv(4 * runtime.num_sms(device.index or 0), tiles)
     return max(1, min(want, K // 1024, 16))
 
 
@@ -215,15 +215,15 @@ def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = FORMATS[a_fmt][0] if a_fmt != "bf16" else b.block
     bk = max(bk, vec_a, b.block)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = runtime.cdiv(M, bm) * runtime.cdiv(N, bn)
     split = _split_k(tiles, K, bk, device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per_split)
+    k_per_split = runtime.cdiv(runtime.cdiv(K, split), bk) * bk
+    split = runtime.cdiv(K, k_per_split)
     block = 32 if runtime.INTERPRET else 64
     constexprs = dict(A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, SPLIT_K=split, UPCAST=runtime.INTERPRET,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return [(triton.cdiv(M, bm), triton.cdiv(N, bn), split), split, k_per_split,
-            (triton.cdiv(M, block), triton.cdiv(N, block)), block, constexprs, []]
+    return [(runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split,
+            (runtime.cdiv(M, block), runtime.cdiv(N, block)), block, constexprs, []]
 
 
 _register_plans = runtime.PlanTable()

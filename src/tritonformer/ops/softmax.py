@@ -130,7 +130,7 @@ FWD_LAUNCH = {1024: (4, 8), 4096: (2, 8), 16384: (1, 16)}
 
 
 def _fwd_launch_shape(n: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(n)
+    block_n = runtime.next_power_of_2(n)
     if block_n in FWD_LAUNCH:
         block_m, num_warps = FWD_LAUNCH[block_n]
         return block_m, block_n, num_warps
@@ -139,7 +139,7 @@ def _fwd_launch_shape(n: int) -> tuple[int, int, int]:
 
 def _launch_shape(n: int) -> tuple[int, int, int]:
     """BLOCK_M, BLOCK_N, num_warps for a row-in-registers launch over rows of n elements."""
-    block_n = triton.next_power_of_2(n)
+    block_n = runtime.next_power_of_2(n)
     block_m = max(1, ELEMENTS_PER_PROGRAM // block_n)
     num_warps = min(32, max(4, block_m * block_n // 512))
     return block_m, block_n, num_warps
@@ -174,7 +174,7 @@ def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
         return y
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _fwd_launch_shape(N)
-        _launch_fwd((triton.cdiv(M, block_m),), x_rows, y_rows, M, N, stride_xm, stride_xn, N,
+        _launch_fwd((runtime.cdiv(M, block_m),), x_rows, y_rows, M, N, stride_xm, stride_xn, N,
                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
         _launch_fwd_looped((M,), x_rows, y_rows, N, stride_xm, stride_xn, N, CHUNK=LOOP_CHUNK, num_warps=8)
@@ -201,7 +201,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         return dx
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _launch_shape(N)
-        _launch_bwd((triton.cdiv(M, block_m),), y_rows, dy_rows, dx_rows, M, N, stride_ym, stride_dym, stride_dyn, N,
+        _launch_bwd((runtime.cdiv(M, block_m),), y_rows, dy_rows, dx_rows, M, N, stride_ym, stride_dym, stride_dyn, N,
                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
         _launch_bwd_looped((M,), y_rows, dy_rows, dx_rows, N, stride_ym, stride_dym, stride_dyn, N,
