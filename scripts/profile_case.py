@@ -1,5 +1,7 @@
 """GPU time by kernel of one registry benchmark case, per provider (torch.profiler), to see where
-a case's time goes beside its matmuls.
+a case's time goes beside its matmuls; beside it the case's time as the benchmark takes it
+(do_bench, L2 flushed before each call) and back to back (host and GPU overlapped), which tell a
+host-bound case from a GPU-bound one.
 
     python scripts/profile_case.py OP [--case N] [--providers tritonformer,torch.compile] [--top 15]
 
@@ -8,8 +10,10 @@ N indexes the op's bench cases in registry order (default 0).
 
 import argparse
 import collections
+import time
 
 import torch
+from triton.testing import do_bench
 
 import tritonformer  # noqa: F401  (before triton users)
 from tritonformer.registry import OPS
@@ -42,6 +46,13 @@ for name in args.providers.split(","):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[e.name[:100]] += e.device_time_total / args.repeats
             count[e.name[:100]] += 1
-    print(f"{name}: {sum(per_kernel.values()):.0f} us of GPU time a call")
+    start = time.perf_counter()
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - start) * 1e4
+    timed = do_bench(fn, return_mode="median") * 1e3
+    print(f"{name}: {sum(per_kernel.values()):.0f} us of GPU time a call; do_bench {timed:.0f} us, "
+          f"back to back {back_to_back:.0f} us a call")
     for kernel, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {us:8.1f} us  x{count[kernel] // args.repeats:<3d} {kernel}")

@@ -17,47 +17,62 @@ def gbps(fn, nbytes):
 
 
 def sweep_norm():
+    """Forward: LayerNorm's statistics by one shifted reduction (SHIFTED_STATS) or three; backward:
+    the weight held in registers or loaded per row (RELOAD_W), programs per SM. The op's own
+    choice is marked 'current'."""
     for rms in (True, False):
-        for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (8192, 2048), (4096, 16384)):
+        for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)):
             x = torch.randn(M, N, device=dev, dtype=bf16)
             w = torch.randn(N, device=dev, dtype=bf16)
             b = torch.randn(N, device=dev, dtype=bf16)
             dy, dx, y = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
-            stats = torch.empty(2 * M, device=dev)
+            stats = torch.rand(2 * M, device=dev)
             flags = dict(RMS=rms, HAS_W=True, HAS_B=not rms, ROUND_XHAT=rms)
+            current = norm._launch_shape(N, rms), norm._bwd_launch_shape(N, rms)
             block_n = triton.next_power_of_2(N)
             fwd, bwd = [], []
-            for block_m in (1, 2, 4, 8):
-                for warps in (4, 8, 16, 32):
-                    elems = block_m * block_n // (32 * warps)
-                    if not (1024 <= block_m * block_n <= 32768 and 4 <= elems <= 64):
-                        continue
-                    kw = dict(**flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-                    f = lambda: norm._norm_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
-                        x, w, b, y, stats, M, N, N, N, 1e-6, 0.0, **kw)
-                    fwd.append((gbps(f, 2 * x.nbytes), block_m, warps))
-                    for per_sm in (1, 2, 4, 8):
+            for warps in (4, 8, 16, 32):
+                if not 4 <= block_n // (32 * warps) <= 64:
+                    continue
+                for shifted in ((False,) if rms else (False, True)):
+                    kw = dict(**flags, HAS_RES=False, BLOCK_M=1, BLOCK_N=block_n, SHIFTED_STATS=shifted,
+                              num_warps=warps)
+                    f = lambda: norm._norm_fwd_kernel[(M,)](  # noqa: E731
+                        x, x, x, w, b, y, stats, M, N, N, N, N, 1e-6, 0.0, **kw)
+                    fwd.append((round(gbps(f, 2 * x.nbytes)), warps, f"shifted={shifted}"))
+                for reload in (False, True):
+                    kw = dict(**flags, HAS_DRES=False, BLOCK_M=1, BLOCK_N=block_n, RELOAD_W=reload,
+                              num_warps=warps)
+                    for per_sm in (1, 2, 4):
                         programs = min(M, 132 * per_sm)
-                        part = torch.empty(programs, N, device=dev)
+                        part = torch.empty(2, programs, N, device=dev)
                         g = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
-                            x, w, dy, dx, stats, part, part, M, N, N, N, N, 0.0, **kw)
-                        bwd.append((gbps(g, 3 * x.nbytes), block_m, warps, per_sm))
+                            x, w, dy, dy, dx, stats, part[0], part[1], M, N, N, N, N, N, 0.0, **kw)
+                        bwd.append((round(gbps(g, 3 * x.nbytes)), warps, f"reload={reload}", per_sm))
+            if not rms and N > norm.LAYER_NORM_BWD_MAX_N:  # what the op runs there: the looped kernel
+                part = torch.zeros(2, 132, N, device=dev)
+                g = lambda: norm._norm_bwd_looped_kernel[(132,)](  # noqa: E731
+                    x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, CHUNK=norm.LOOP_CHUNK,
+                    num_warps=norm.LOOPED_BWD_WARPS)
+                bwd.append((round(gbps(g, 3 * x.nbytes)), norm.LOOPED_BWD_WARPS, "looped", 1))
             name = "rms" if rms else "ln"
-            print(f"norm {name} {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)
-            print(f"norm {name} {M}x{N} bwd best", sorted(bwd, reverse=True)[:4], flush=True)
+            print(f"norm {name} {M}x{N} current {current} fwd", sorted(fwd, reverse=True)[:6], flush=True)
+            print(f"norm {name} {M}x{N} bwd", sorted(bwd, reverse=True)[:6], flush=True)
 
 
 def sweep_swiglu():
-    for M, N in ((8192, 14336), (16384, 4096)):
+    for M, N in ((8192, 14336), (4096, 11008), (16384, 4096)):
         g, u, dh = (torch.randn(M, N, device=dev, dtype=bf16) for _ in range(3))
         h, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
         fwd, bwd = [], []
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
-                grid = (M, triton.cdiv(N, block))
-                f = lambda: swiglu._swiglu_fwd_kernel[grid](g, u, h, N, N, N, N, BLOCK=block, num_warps=warps)  # noqa
-                b = lambda: swiglu._swiglu_bwd_kernel[grid](g, u, dh, dg, du, du, N, N, N, N, N, N, N,  # noqa
-                                                           STORE_H=False, BLOCK=block, num_warps=warps)
+                blocks = triton.cdiv(M * N, block)  # contiguous rows: one long row
+                f = lambda: swiglu._swiglu_fwd_kernel[(blocks,)](  # noqa: E731
+                    g, u, h, M * N, blocks, N, N, N, BLOCK=block, num_warps=warps)
+                b = lambda: swiglu._swiglu_bwd_kernel[(blocks,)](  # noqa: E731
+                    g, u, dh, dg, du, du, M * N, blocks, N, N, N, N, N, N, STORE_H=False, BLOCK=block,
+                    num_warps=warps)
                 fwd.append((gbps(f, 3 * g.nbytes), block, warps))
                 bwd.append((gbps(b, 5 * g.nbytes), block, warps))
         print(f"swiglu {M}x{N} fwd best", sorted(fwd, reverse=True)[:4], flush=True)
@@ -71,49 +86,23 @@ def sweep_rope():
         cos, sin = torch.randn(1, S, D, device=dev, dtype=bf16), torch.randn(1, S, D, device=dev, dtype=bf16)
         nbytes = 2 * (q.nbytes + k.nbytes) + cos.nbytes + sin.nbytes
         results = []
-        for step_bytes in (4096, 8192, 16384, 32768):
-            for per_step in (1, 2, 4):
-                for per_program in (1, 2, 4, 8, 16):
+        for step_bytes in (8192, 16384):
+            for per_step in (1, 4):
+                for per_program in (4, 8, 16):
                     for warps in (4, 8):
-                        if per_program < per_step:
-                            continue
-                        rope.LAUNCH = {layout == "bshd": (step_bytes, per_step, per_program, warps)}
-                        rope._launch_shape.cache_clear()
-                        try:
-                            f = lambda: rope.apply_rope(q, k, cos, sin, layout)  # noqa: E731
-                            results.append((gbps(f, nbytes), step_bytes, per_step, per_program, warps))
-                        except Exception as exc:  # a shape Triton cannot lay out
-                            print("rope config failed", step_bytes, per_step, per_program, warps, type(exc).__name__)
+                        for stages in (1, 2, 3):
+                            if per_program < per_step or (stages > 1 and per_program == per_step):
+                                continue
+                            rope.LAUNCH = {layout == "bshd": (step_bytes, per_step, per_program, warps, stages)}
+                            rope._launch_shape.cache_clear()
+                            config = (step_bytes, per_step, per_program, warps, stages)
+                            try:
+                                f = lambda: rope.apply_rope(q, k, cos, sin, layout)  # noqa: E731
+                                results.append((round(gbps(f, nbytes)), *config))
+                            except Exception as exc:  # a shape Triton cannot lay out
+                                print("rope config failed", config, type(exc).__name__)
         print(f"rope {layout} best", sorted(results, reverse=True)[:6], flush=True)
         print(f"rope {layout} worst", sorted(results)[:2], flush=True)
-
-
-def sweep_layer_norm_wide():
-    """LayerNorm backward at 16384 columns: registers (by warps) against the looped kernel."""
-    M, N = 4096, 16384
-    x, dy = torch.randn(M, N, device=dev, dtype=bf16), torch.randn(M, N, device=dev, dtype=bf16)
-    w, b = torch.randn(N, device=dev, dtype=bf16), torch.randn(N, device=dev, dtype=bf16)
-    dx, stats = torch.empty_like(x), torch.rand(2 * M, device=dev)
-    flags = dict(RMS=False, HAS_W=True, HAS_B=True, ROUND_XHAT=False)
-    results = []
-    for warps in (8, 16, 32):
-        for per_sm in (1, 2):
-            programs = 132 * per_sm
-            part = torch.empty(2, programs, N, device=dev)
-            f = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
-                x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, BLOCK_M=1, BLOCK_N=N,
-                num_warps=warps)
-            results.append((gbps(f, 3 * x.nbytes), "registers", warps, per_sm))
-            g = lambda: norm._norm_bwd_looped_kernel[(programs,)](  # noqa: E731
-                x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, CHUNK=4096, num_warps=warps)
-            results.append((gbps(g, 3 * x.nbytes), "looped", warps, per_sm))
-    print("layer_norm bwd 4096x16384", sorted(results, reverse=True), flush=True)
-    y, fwd = torch.empty_like(x), []
-    for warps in (8, 16, 32):
-        f = lambda: norm._norm_fwd_kernel[(M,)](  # noqa: E731
-            x, w, b, y, stats, M, N, N, N, 1e-5, 0.0, **flags, BLOCK_M=1, BLOCK_N=N, num_warps=warps)
-        fwd.append((gbps(f, 2 * x.nbytes), warps))
-    print("layer_norm fwd 4096x16384", sorted(fwd, reverse=True), flush=True)
 
 
 def sweep_softmax():
@@ -133,7 +122,6 @@ def sweep_softmax():
                   "current", softmax._launch_shape(N), flush=True)
 
 
-SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax,
-          "layer_norm_wide": sweep_layer_norm_wide}
+SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax}
 for name in sys.argv[1:] or SWEEPS:
     SWEEPS[name]()

@@ -43,7 +43,7 @@ def test_backward_is_the_transposed_rotation(device):
 def small_tiles(monkeypatch):
     """Tiles of a few positions and two heads, chunks of four heads: many position blocks, several
     steps a program and partial steps, on shapes the interpreter runs quickly."""
-    monkeypatch.setattr(rope_op, "LAUNCH", {False: (256, 2, 4, 4), True: (256, 2, 4, 4)})
+    monkeypatch.setattr(rope_op, "LAUNCH", {False: (256, 2, 4, 4, 2), True: (256, 2, 4, 4, 2)})
     # The chunking depends on the SM count: fix it so that the GPU runs the same shapes.
     monkeypatch.setattr(rope_op.runtime, "num_sms", lambda *device: 3)
     rope_op._launch_shape.cache_clear()
@@ -57,7 +57,7 @@ def test_many_blocks_steps_and_chunks(dtype, layout, device, small_tiles):
     q, k, cos, sin = _inputs(device, B=2, Hq=7, Hk=5, S=7, D=16, layout=layout, dtype=dtype)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    _, _, n_blocks, per_program, q_chunks, n_chunks, _, _ = rope_op._launch_shape(
+    _, _, n_blocks, per_program, q_chunks, n_chunks, _, _, _ = rope_op._launch_shape(
         2, 7, 7, 5, 16, dtype.itemsize, layout == "bshd", 0)
     assert n_blocks > 1 and (per_program, q_chunks, n_chunks) == (4, 2, 4)
     outs = tf.apply_rope(q, k, cos, sin, layout)

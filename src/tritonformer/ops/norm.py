@@ -31,30 +31,39 @@ from ..spec import Bench, BenchCase, OpSpec, TestCase
 # 32768 float32 values fill 32 registers per thread of a 32-warp program (the softmax bound).
 FUSED_MAX_N = 32768
 LOOP_CHUNK = 4096
-# Launch shapes from a sweep on the H100 (scripts/sweep_launch.py, docs/perf-notes.md): one row a
-# program from 2048 columns up, 8 to 16 values a thread, 16 warps at most; backward programs one
-# or two an SM, each looping over its rows with its dw/db partial sums in registers.
+# Launch shapes from sweeps on the H100 (scripts/sweep_launch.py, docs/perf-notes.md). Forward: one
+# row a program from 2048 columns up, 16 values a thread, 16 warps at most. Backward: a fixed
+# number of programs, each looping over its rows with its dw/db partial sums in registers; 16
+# (LayerNorm) or 32 (RMSNorm) values a thread, and as many programs as make 16 warps an SM. RMSNorm
+# loads its weight again for every row (from L1) rather than holding it: 2.86 against 2.58 TB/s at
+# 16384x8192, 2.76 against 2.65 at 4096x16384 (where the held weight spilled).
 ROWS_ELEMENTS = 2048
 MAX_WARPS = 16
+BWD_WARPS_PER_SM = 16
 # LayerNorm's backward holds two partial sums (dw, db) a column besides the row: from 16384
 # columns that spills (0.27 to 1.3 TB/s on the H100 against RMSNorm's 2.5), so those rows take
 # the looped kernel, whose partial sums live in memory (L2).
 LAYER_NORM_BWD_MAX_N = 8192
 
 
-def _launch_shape(n: int, rms: bool = True) -> tuple[int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps for rows of n elements held in registers. LayerNorm's forward
-    reduces a row three times (sum, correction, squares): from 16384 columns it takes 8 warps,
-    whose reductions cross fewer warps (2.47 TB/s on the H100, against 1.94 at 16 and 1.84 at 32)."""
-    block_n = triton.next_power_of_2(n)
+def _launch_shape(n: int, rms: bool = True, shifted_stats: bool = True) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps of the forward for rows of n elements held in registers.
+    LayerNorm's forward in float32 reduces a row three times (sum, correction, squares): from
+    16384 columns it takes 8 warps, whose reductions cross fewer warps (2.48 TB/s on the H100,
+    against 1.94 at 16); in 16-bit dtypes (one reduction) 16 warps, 2.76."""
+    block_n = runtime.next_power_of_2(n)
     block_m = max(1, ROWS_ELEMENTS // block_n)
-    max_warps = MAX_WARPS if rms or block_n < 16384 else 8
+    max_warps = MAX_WARPS if rms or shifted_stats or block_n < 16384 else 8
     return block_m, block_n, min(max_warps, max(4, block_m * block_n // 512))
 
 
-def _bwd_programs(M: int, wide_rows: bool, device: torch.device) -> int:
-    """Two programs an SM for rows up to 4096 columns, one for wider rows and the looped kernel."""
-    return max(1, min(M, runtime.num_sms(device.index or 0) * (1 if wide_rows else 2)))
+def _bwd_launch_shape(n: int, rms: bool) -> tuple[int, int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps and programs per SM of the in-register backward."""
+    block_n = runtime.next_power_of_2(n)
+    block_m = max(1, ROWS_ELEMENTS // block_n)
+    per_thread = 32 if rms else 16
+    num_warps = min(MAX_WARPS, max(4, block_m * block_n // (32 * per_thread)))
+    return block_m, block_n, num_warps, max(1, BWD_WARPS_PER_SM // num_warps)
 
 
 # The looped backward: 32 warps, one program an SM (1.24 TB/s at LayerNorm 4096x16384 on the H100,
@@ -66,7 +75,7 @@ LOOPED_BWD_WARPS = 32
 def _norm_fwd_kernel(
     x_ptr, res_ptr, h_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_rm, stride_ym, eps, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHIFTED_STATS: tl.constexpr,
 ):
     """HAS_RES: the normalized rows are h = x + res, rounded to x's dtype as torch's add rounds
     them, and written to h_ptr (rows of N, contiguous)."""
@@ -84,6 +93,18 @@ def _norm_fwd_kernel(
     if RMS:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         xhat = x * rstd[:, None]
+    elif SHIFTED_STATS:
+        # Sums of the deviations from the row's first element and of their squares, in one
+        # reduction: shifted by a value of the row, E[d^2] - E[d]^2 does not cancel as
+        # E[x^2] - E[x]^2 does when the mean is large against the spread.
+        shift = tl.load(x_ptr + rows64 * stride_xm, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        d = tl.where(mask, x - shift, 0.0)
+        sum_d, sum_dd = tl.reduce((d, d * d), 1, _add_pair)
+        mean_d = sum_d / N
+        mean = tl.reshape(shift, (BLOCK_M,)) + mean_d
+        rstd = 1.0 / tl.sqrt(tl.maximum(sum_dd / N - mean_d * mean_d, 0.0) + eps)
+        xhat = (d - mean_d[:, None]) * rstd[:, None]
+        tl.store(stats_ptr + M + rows, mean, mask=row_ok)
     else:
         # A second pass over the registers corrects the rounding of a large mean's float32 sum.
         mean = tl.sum(x, axis=1) / N
@@ -95,6 +116,11 @@ def _norm_fwd_kernel(
     tl.store(stats_ptr + rows, rstd, mask=row_ok)
     y = _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_ptr.dtype.element_ty, HAS_W, HAS_B, ROUND_XHAT)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -118,15 +144,16 @@ def _norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_xm, stride_dym, stride_drm, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
-    HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD_W: tl.constexpr,
 ):
     """HAS_DRES: dx also gets dres, the gradient that x's other uses sent back (an add fused:
-    one rounding instead of two)."""
+    one rounding instead of two). RELOAD_W: the weight is loaded again for every row (from L1)
+    instead of held in registers, which leaves them to longer rows."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if HAS_W:
+    if HAS_W and not RELOAD_W:
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     dw = tl.zeros((BLOCK_N,), tl.float32)
     db = tl.zeros((BLOCK_N,), tl.float32)
@@ -144,6 +171,8 @@ def _norm_bwd_kernel(
             mean = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if HAS_W:
+            if RELOAD_W:
+                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
             g = dy * w[None, :]
             xhat_w = xhat.to(x_ptr.dtype.element_ty).to(tl.float32) if ROUND_XHAT else xhat
             dw += tl.sum(dy * xhat_w, axis=0)
@@ -287,11 +316,12 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 
 def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -> None:
     M, N = x_rows.shape
-    block_m, block_n, num_warps = _launch_shape(N, flags["RMS"])
-    _launch_fwd((triton.cdiv(M, block_m),), x_rows, _or(res_rows, x_rows), _or(h, x_rows), w, b, y, stats, M, N,
+    shifted = x_rows.dtype != torch.float32
+    block_m, block_n, num_warps = _launch_shape(N, flags["RMS"], shifted)
+    _launch_fwd((runtime.cdiv(M, block_m),), x_rows, _or(res_rows, x_rows), _or(h, x_rows), w, b, y, stats, M, N,
                 x_rows.stride(0), x_rows.stride(0) if res_rows is None else res_rows.stride(0), N, float(eps),
-                float(offset), **flags, HAS_RES=res_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps)
+                float(offset), **flags, HAS_RES=res_rows is not None, SHIFTED_STATS=shifted, BLOCK_M=block_m,
+                BLOCK_N=block_n, num_warps=num_warps)
 
 
 def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
@@ -319,8 +349,8 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     M = x_rows.shape[0]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
-    block_m, block_n, num_warps = _launch_shape(N)
-    programs = _bwd_programs(M, looped or block_n > 4096, x.device)
+    block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
+    programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
     # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
     n_params = (weight is not None) + (bias is not None)
     parts = (torch.zeros if looped else runtime.empty)((n_params, programs, N), dtype=torch.float32, device=x.device)
@@ -338,7 +368,8 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
             _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats,
                         dw_part, db_part, M, N, x_rows.stride(0), dy_rows.stride(0),
                         dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0), N, float(offset), **flags,
-                        HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+                        HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                        RELOAD_W=rms, num_warps=num_warps)
     return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
 
 

@@ -34,14 +34,14 @@ from ..spec import Bench, BenchCase, OpSpec, TestCase
 LAYOUTS = ("bhsd", "bshd")
 TABLE_DTYPES = (*runtime.FLOAT_DTYPES, torch.float64)
 
-# Launch shape per layout, from a sweep on the H100 (scripts/sweep_launch.py; docs/perf-notes.md),
-# as (STEP_BYTES, HEADS_PER_STEP, HEADS_PER_PROGRAM, NUM_WARPS). A step reads BLOCK_S positions x
-# HEADS_PER_STEP heads of q or k, STEP_BYTES in all. In (B, H, S, D) memory a head's positions are
-# contiguous: one head a step, 32 positions (2.71 TB/s at q (4,32,4096,128) bf16). In (B, S, H, D)
-# a position's heads are: four heads a step (2.85 TB/s). Each program reads its block's cos and sin
-# once and rotates HEADS_PER_PROGRAM heads; fewer when that leaves under MIN_PROGRAMS_PER_SM
-# programs per SM.
-LAUNCH = {False: (8192, 1, 8, 4), True: (8192, 4, 8, 8)}
+# Launch shape per layout, from sweeps on the H100 (scripts/sweep_launch.py; docs/perf-notes.md),
+# as (STEP_BYTES, HEADS_PER_STEP, HEADS_PER_PROGRAM, NUM_WARPS, STAGES). A step reads BLOCK_S
+# positions x HEADS_PER_STEP heads of q or k, STEP_BYTES in all; STAGES > 1 pipelines the steps'
+# loads (through shared memory). Both layouts settle on four heads a step, two stages: 2.75 TB/s in
+# (B, H, S, D) and 2.88 in (B, S, H, D) at q (4,32,4096,128) bf16, against 2.71 and 2.84 with the
+# steps' loads unpipelined. Each program reads its block's cos and sin once and rotates
+# HEADS_PER_PROGRAM heads; fewer when that leaves under MIN_PROGRAMS_PER_SM programs per SM.
+LAUNCH = {False: (8192, 4, 8, 8, 2), True: (8192, 4, 8, 8, 2)}
 MIN_PROGRAMS_PER_SM = 4
 
 
@@ -50,11 +50,12 @@ def _rotate_heads(
     x_ptr, out_ptr, h_start, h_end, x_tile, out_tile, stride_xh, stride_xd, stride_oh, stride_od,
     c1, c2, s1, s2, tile_mask,
     HALF: tl.constexpr, HEADS_PER_STEP: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Heads [h_start, h_end) of one block of positions. x_tile and out_tile are the block's
     (positions, 1, D/2) element offsets inside one head; c1, c2, s1, s2 its cos/sin halves."""
     step = tl.arange(0, HEADS_PER_STEP)
-    for h in tl.range(h_start, h_end, HEADS_PER_STEP):
+    for h in tl.range(h_start, h_end, HEADS_PER_STEP, num_stages=STAGES):
         heads = h + step
         mask = (heads < h_end)[None, :, None] & tile_mask
         if INDEX_64:
@@ -85,7 +86,7 @@ def _rope_kernel(
     stride_cb, stride_cs, stride_cd,
     stride_sb, stride_ss, stride_sd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEADS_PER_STEP: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
+    HEADS_PER_STEP: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Forward (BACKWARD=False) or backward of rotate-half RoPE; strides are given in (batch,
     head, position, dim) order whatever the layout, tables' batch stride 0 when shared."""
@@ -116,7 +117,7 @@ def _rope_kernel(
             rows * stride_qs + cols * stride_qd,
             rows * stride_qos + cols * stride_qod,
             stride_qh, stride_qd, stride_qoh, stride_qod, c1, c2, s1, s2, mask,
-            HALF, HEADS_PER_STEP, BACKWARD, INDEX_64,
+            HALF, HEADS_PER_STEP, BACKWARD, INDEX_64, STAGES,
         )
     else:
         h_start = (chunk - q_chunks) * heads_per_program
@@ -125,7 +126,7 @@ def _rope_kernel(
             rows * stride_ks + cols * stride_kd,
             rows * stride_kos + cols * stride_kod,
             stride_kh, stride_kd, stride_koh, stride_kod, c1, c2, s1, s2, mask,
-            HALF, HEADS_PER_STEP, BACKWARD, INDEX_64,
+            HALF, HEADS_PER_STEP, BACKWARD, INDEX_64, STAGES,
         )
 
 
@@ -133,18 +134,18 @@ def _rope_kernel(
 def _launch_shape(B: int, S: int, Hq: int, Hk: int, D: int, itemsize: int, bshd: bool,
                   device_index: int) -> tuple[int, ...]:
     """BLOCK_HALF, BLOCK_S, position blocks, heads per program, q chunks, chunks (q and k), heads
-    per step, num_warps."""
-    step_bytes, per_step, per_program, num_warps = LAUNCH[bshd]
-    block_half = triton.next_power_of_2(D // 2)
-    block_s = min(triton.next_power_of_2(S), max(1, step_bytes // (per_step * 2 * block_half * itemsize)))
-    n_blocks = triton.cdiv(S, block_s)
+    per step, num_warps, stages."""
+    step_bytes, per_step, per_program, num_warps, stages = LAUNCH[bshd]
+    block_half = runtime.next_power_of_2(D // 2)
+    block_s = min(runtime.next_power_of_2(S), max(1, step_bytes // (per_step * 2 * block_half * itemsize)))
+    n_blocks = runtime.cdiv(S, block_s)
     min_programs = MIN_PROGRAMS_PER_SM * runtime.num_sms(device_index)
     while per_program > per_step and (
-            B * n_blocks * (triton.cdiv(Hq, per_program) + triton.cdiv(Hk, per_program)) < min_programs):
+            B * n_blocks * (runtime.cdiv(Hq, per_program) + runtime.cdiv(Hk, per_program)) < min_programs):
         per_program //= 2
-    q_chunks = triton.cdiv(Hq, per_program)
-    n_chunks = q_chunks + triton.cdiv(Hk, per_program)
-    return block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps
+    q_chunks = runtime.cdiv(Hq, per_program)
+    n_chunks = q_chunks + runtime.cdiv(Hk, per_program)
+    return block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps, stages
 
 
 def _head_strides(t: torch.Tensor, bshd: bool) -> tuple[int, int, int, int]:
@@ -172,7 +173,7 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
         k = k_out = q
     if B == 0 or S == 0 or D == 0 or Hq + Hk == 0:
         return
-    block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps = _launch_shape(
+    block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps, stages = _launch_shape(
         B, S, Hq, Hk, D, q.element_size(), bshd, q.device.index or 0)
     _launch_rope(
         (B * n_blocks * n_chunks,), q, k, q_out, k_out, cos, sin,
@@ -180,7 +181,7 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
         *_head_strides(q, bshd), *_head_strides(k, bshd), *_head_strides(q_out, bshd), *_head_strides(k_out, bshd),
         *_table_strides(cos), *_table_strides(sin),
         HALF=D // 2, BLOCK_HALF=block_half, BLOCK_S=block_s, HEADS_PER_STEP=per_step, BACKWARD=backward,
-        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), num_warps=num_warps,
+        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), STAGES=stages, num_warps=num_warps,
     )
 
 

@@ -20,16 +20,27 @@ from ..bench import peers
 from ..bench.runner import short_dtype
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
-# Up to 8192 columns a program at 16 values a thread: the best of a sweep on the H100 (2.92 TB/s
-# forward, 2.95 backward at 8192x14336 bf16, against 2.86 for 1024-column programs).
-MAX_BLOCK = 8192
+# Programs of 2048 elements, 8 values a thread forward and 4 backward: the best of a sweep on the H100
+# over contiguous rows (scripts/sweep_launch.py; forward 2.98 TB/s at 8192x14336 bf16 and 2.85 at
+# 4096x11008, backward 3.01 and 2.93).
+MAX_BLOCK = 2048
+FWD_VALUES_PER_THREAD = 8
+BWD_VALUES_PER_THREAD = 4
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, stride_h, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
+def _block_offsets(N, col_blocks, BLOCK: tl.constexpr):
+    """Row and column offsets of this program's block: programs walk the column blocks of a row
+    (one grid axis, which has no 65535 limit), rows in order."""
+    pid = tl.program_id(0)
+    row = (pid // col_blocks).to(tl.int64)
+    cols = (pid % col_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < N
+
+
+@triton.jit
+def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, col_blocks, stride_g, stride_u, stride_h, BLOCK: tl.constexpr):
+    row, cols, ok = _block_offsets(N, col_blocks, BLOCK)
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -38,12 +49,10 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, stride_h, BLO
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, N, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h,
-    STORE_H: tl.constexpr, BLOCK: tl.constexpr,
+    g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, N, col_blocks, stride_g, stride_u, stride_dh, stride_dg, stride_du,
+    stride_h, STORE_H: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
+    row, cols, ok = _block_offsets(N, col_blocks, BLOCK)
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + row * stride_dh + cols, mask=ok, other=0.0).to(tl.float32)
@@ -59,10 +68,19 @@ _launch_fwd = runtime.FastLaunch(_swiglu_fwd_kernel)
 _launch_bwd = runtime.FastLaunch(_swiglu_bwd_kernel)
 
 
-def _launch_shape(n: int) -> tuple[int, int, int]:
-    """Grid factor over columns, BLOCK and num_warps for rows of n elements."""
-    block = min(MAX_BLOCK, triton.next_power_of_2(n))
-    return triton.cdiv(n, block), block, min(16, max(4, block // 512))
+def _launch_shape(rows: list[torch.Tensor]) -> tuple[int, int, int, int]:
+    """(rows, N, column blocks, BLOCK) for (rows, N) views with unit column stride. Rows that all
+    follow one another in memory are one long row: no block is cut by a row's end (at 11008
+    columns and 8192-element blocks, a second block per row a third full cost 6% of the forward)."""
+    M, N = rows[0].shape
+    if M > 1 and all(t.stride(0) == N for t in rows):
+        M, N = 1, M * N
+    block = min(MAX_BLOCK, runtime.next_power_of_2(N))
+    return M, N, runtime.cdiv(N, block), block
+
+
+def _num_warps(block: int, values_per_thread: int) -> int:
+    return max(1, min(16, block // (32 * values_per_thread)))
 
 
 def _fake_swiglu_fwd(gate, up):
@@ -76,8 +94,9 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return h
     N = gate.shape[-1]
     g, u = runtime.rows_view(gate, N), runtime.rows_view(up, N)
-    col_blocks, block, num_warps = _launch_shape(N)
-    _launch_fwd((g.shape[0], col_blocks), g, u, h, N, g.stride(0), u.stride(0), N, BLOCK=block, num_warps=num_warps)
+    M, n, col_blocks, block = _launch_shape([g, u])
+    _launch_fwd((M * col_blocks,), g, u, h, n, col_blocks, g.stride(0), u.stride(0), N, BLOCK=block,
+                num_warps=_num_warps(block, FWD_VALUES_PER_THREAD))
     return h
 
 
@@ -100,9 +119,9 @@ def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: 
     h = runtime.empty(gate.shape if store_h else (0,), gate.dtype, gate.device)
     if gate.numel() == 0:
         return dg, du, h
-    col_blocks, block, num_warps = _launch_shape(N)
-    _launch_bwd((g.shape[0], col_blocks), g, u, d, dg, du, h if store_h else du, N, g.stride(0), u.stride(0),
-                d.stride(0), N, N, N, STORE_H=store_h, BLOCK=block, num_warps=num_warps)
+    M, n, col_blocks, block = _launch_shape([g, u, d])
+    _launch_bwd((M * col_blocks,), g, u, d, dg, du, h if store_h else du, n, col_blocks, g.stride(0), u.stride(0),
+                d.stride(0), N, N, N, STORE_H=store_h, BLOCK=block, num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
     return dg, du, h
 
 
