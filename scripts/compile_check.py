@@ -1,7 +1,7 @@
 """Offline compile check of the attention kernels for an H100 (sm_90), no GPU needed.
 
     PYTHONPATH=src python3 scripts/compile_check.py [-j N] [--dtypes bf16,fp16,fp32] [--dims 32,64,...]
-        [--causal 0,1] [--varlen 0,1] [--window 0] [--kernels fwd,delta,dkdv,dq] [--json FILE]
+        [--causal 0,1] [--varlen 0,1] [--window 0] [--kernels fwd,dkdv,dq] [--json FILE]
 
 For every kernel of ops/attention.py, every autotune config that survives the op's own pruning
 (`early_config_prune`), every head dim, dtype, causal and varlen (and window) switch, the
@@ -55,7 +55,7 @@ REG_LIMIT = 255
 REGS_PER_SM = 64 * 1024
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Launcher attribute of the module -> short kernel name.
-LAUNCHERS = {"_launch_fwd": "fwd", "_launch_delta": "delta", "_launch_dkdv": "dkdv", "_launch_dq": "dq"}
+LAUNCHERS = {"_launch_fwd": "fwd", "_launch_dkdv": "dkdv", "_launch_dq": "dq"}
 
 
 class _Recorder:
@@ -129,8 +129,6 @@ def compile_jobs(kernels, dims, dtypes, causals, varlens, windows, candidates=No
                             if name not in store:
                                 continue
                             kernel, args, kw = store[name]
-                            if name == "delta" and (causal or window):
-                                continue  # delta has no mask switches: compiled once per D, dtype, varlen
                             if isinstance(kernel, triton.runtime.Autotuner):
                                 fn = kernel.fn
                                 named = dict(zip(fn.arg_names, args))
@@ -276,7 +274,7 @@ def summarize(rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count())
-    p.add_argument("--kernels", default="fwd,delta,dkdv,dq")
+    p.add_argument("--kernels", default="fwd,dkdv,dq")
     p.add_argument("--dims", default=",".join(map(str, attn.HEAD_DIMS)))
     p.add_argument("--dtypes", default="bf16,fp16", help="bf16,fp16,fp32 (fp32 is only run for D <= 128)")
     p.add_argument("--causal", default="0,1")

@@ -52,8 +52,11 @@ def record(q, k, v, causal):
     finally:
         for attr, launcher in saved.items():
             setattr(attn, attr, launcher)
-    delta_kernel, args, kw, grid = store["delta"]
-    delta_kernel[grid](*args, **kw)
+    # The dQ kernel writes the delta that the dK/dV kernel reads: one launch of its first config.
+    dq_kernel, args, kw, grid = store["dq"]
+    config = dq_kernel.early_config_prune(dq_kernel.configs, dict(zip(dq_kernel.fn.arg_names, args)), **kw)[0]
+    meta = dict(kw, **config.kwargs)
+    dq_kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
     return store
 
 

@@ -21,9 +21,10 @@ empty) outputs 0 and has lse = -inf; the reference does the same, and such rows 
 Forward: one program per (query block, batch * head) keeps its Q block on chip and streams the
 key blocks inside the causal/window band (blocks outside are never read), with an online
 softmax in base 2 (log2(e) folded into the scale) and fp32 accumulators. It stores O and the
-natural-log LSE (fp32, (B, H, S_q)). Backward: a small kernel forms delta; a dK/dV kernel (one
-program per key block and kv head, looping over the group's query heads and the query blocks
-of the band) and a dQ kernel (one program per query block, looping over key blocks). No
+natural-log LSE (fp32, (B, H, S_q)). Backward: a dQ kernel (one program per query block,
+looping over key blocks), which also forms its rows' delta, then a dK/dV kernel (one program
+per key block and kv head, looping over the group's query heads and the query blocks of the
+band), which reads it. No
 atomics: the backward is deterministic, and a kv head's gradient sums its query heads in a fixed
 order.
 """
@@ -457,34 +458,6 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
-@triton.jit
-def _attention_delta_kernel(
-    o_ptr, do_ptr, dlse_ptr, delta_ptr, H, S_q,
-    stride_ob, stride_oh, stride_os,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_lb, stride_lh,
-    HEAD_D: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """delta = rowsum(dO * O) - dlse, fp32, laid out as lse; O has unit head-dim stride. A packed
-    batch is one sequence of all its rows here (delta is per row)."""
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < S_q) & (offs_d[None, :] < HEAD_D)
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do_base = do_ptr + b * stride_dob + h * stride_doh
-    do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    row_offs = b * stride_lb + h * stride_lh + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + row_offs, mask=offs_m < S_q, other=0.0)
-    tl.store(delta_ptr + row_offs, delta, mask=offs_m < S_q)
-
-
 @runtime.autotune(configs=_dkdv_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
                   prune_configs_by={"early_config_prune": _prune_dkdv})
 @triton.jit
@@ -561,18 +534,21 @@ def _attention_bwd_dkdv_kernel(
                   prune_configs_by={"early_config_prune": _prune_dq})
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, dlse_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_ob, stride_oh, stride_os,
     stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ of one query block: streams the key blocks of the band, as the forward does."""
+    """dQ of one query block: streams the key blocks of the band, as the forward does. It also
+    computes the block's delta = rowsum(dO * O) - dlse (it holds dO already) and stores it for
+    the dK/dV kernel, which runs after it: no separate pass over O and dO."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
                                                                      CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
@@ -587,9 +563,14 @@ def _attention_bwd_dq_kernel(
     do_base = do_ptr + b * stride_dob + q_start * stride_dos + h * stride_doh
     q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, True, UPCAST, HEAD_D, BLOCK_D)
     do = _load_tile(do_base, offs_m, offs_d, stride_dos, stride_dod, len_q, True, UPCAST, HEAD_D, BLOCK_D)
+    o = _load_tile(o_ptr + b * stride_ob + q_start * stride_os + h * stride_oh, offs_m, offs_d, stride_os, 1,
+                   len_q, True, UPCAST, HEAD_D, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row_offs = b * stride_lb + h * stride_lh + q_start + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + row_offs, mask=offs_m < len_q, other=0.0)
+    tl.store(delta_ptr + row_offs, delta, mask=offs_m < len_q)
     lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + row_offs, mask=offs_m < len_q, other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
     shift = len_k - len_q
 
@@ -624,13 +605,13 @@ def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dic
                 # Causal: two programs per SM in a head group (see _grouped_block); otherwise
                 # every block costs the same and one head at a time keeps the most in L2.
                 GROUP_PROGRAMS=2 * runtime.num_sms(q.device.index or 0) if causal else 1,
-                INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(D)))
+                INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, runtime.next_power_of_2(D)))
 
 
 def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool) -> tuple:
     # Lengths change from call to call (varlen batches, generation): tune once per power-of-two
     # bucket, not once per length.
-    S_q, S_k = triton.next_power_of_2(S_q), triton.next_power_of_2(S_k)
+    S_q, S_k = runtime.next_power_of_2(S_q), runtime.next_power_of_2(S_k)
     return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen)
 
 
@@ -671,7 +652,6 @@ def _empty_as(t: torch.Tensor) -> torch.Tensor:
 
 
 _launch_fwd = runtime.TunedLauncher(_attention_fwd_kernel)
-_launch_delta = runtime.FastLaunch(_attention_delta_kernel)
 _launch_dkdv = runtime.TunedLauncher(_attention_bwd_dkdv_kernel)
 _launch_dq = runtime.TunedLauncher(_attention_bwd_dq_kernel)
 
@@ -697,7 +677,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     consts = _constexprs(q, causal, window, lay.varlen)
     _launch_fwd(
         _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
-        lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
+        lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
         *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window, **consts,
     )
@@ -727,23 +707,18 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     delta = runtime.empty(lse.shape, torch.float32, q.device)
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
-    # About 32 fp32 values of O and dO per thread of 4 warps.
-    delta_block = 16 if runtime.INTERPRET else max(16, 4096 // consts["BLOCK_D"])
-    # Delta is per row: a packed batch is one sequence of all its rows.
-    B, rows = (1, q.shape[0]) if lay.varlen else (lay.B, lay.S_q)
-    _launch_delta((triton.cdiv(rows, delta_block), B * lay.H), o, do, delta if dlse is None else dlse, delta,
-                  lay.H, rows, *lay.strides(o)[:3], *lay.strides(do), *lay.lse_strides(lse),
-                  HEAD_D=lay.D, HAS_DLSE=dlse is not None, BLOCK_M=delta_block, BLOCK_D=consts["BLOCK_D"])
     strides = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do))
     scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
     key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
     lse_strides = lay.lse_strides(lse)
-    _launch_dkdv(key, lambda meta: (triton.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,),
+    # dQ first: it writes the delta that the dK/dV kernel reads.
+    _launch_dq(key, lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
+               q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
+               *strides, *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars, **consts,
+               HAS_DLSE=dlse is not None)
+    _launch_dkdv(key, lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,),
                  q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
                  *lay.strides(dk)[:3], *lse_strides, *scalars, **consts)
-    _launch_dq(key, lambda meta: (triton.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
-               q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides,
-               *lay.strides(dq)[:3], *lse_strides, *scalars, **consts)
     return dq, dk, dv
 
 
