@@ -28,7 +28,7 @@ def sweep_norm():
             dy, dx, y = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
             stats = torch.rand(2 * M, device=dev)
             flags = dict(RMS=rms, HAS_W=True, HAS_B=not rms, ROUND_XHAT=rms)
-            current = norm._launch_shape(N, rms), norm._bwd_launch_shape(N, rms)
+            current = norm._launch_shape(N, rms, True), norm._bwd_launch_shape(N, rms)
             block_n = triton.next_power_of_2(N)
             fwd, bwd = [], []
             for warps in (4, 8, 16, 32):

@@ -332,8 +332,8 @@ def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
 
 
 def cdiv(a: int, b: int) -> int:
-    """triton.cdiv for the host: Triton 3.6's is a constexpr function whose call costs 2-4 us of
-    host time, several a launch on paths where each microsecond shows."""
+    """triton.cdiv for the host: Triton 3.6's is a constexpr function whose call costs about 1.7 us
+    of host time (measured on a CPU-only machine), several a launch on paths where each microsecond shows."""
     return -(-a // b)
 
 

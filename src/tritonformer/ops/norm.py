@@ -46,7 +46,7 @@ BWD_WARPS_PER_SM = 16
 LAYER_NORM_BWD_MAX_N = 8192
 
 
-def _launch_shape(n: int, rms: bool = True, shifted_stats: bool = True) -> tuple[int, int, int]:
+def _launch_shape(n: int, rms: bool, shifted_stats: bool) -> tuple[int, int, int]:
     """BLOCK_M, BLOCK_N, num_warps of the forward for rows of n elements held in registers.
     LayerNorm's forward in float32 reduces a row three times (sum, correction, squares): from
     16384 columns it takes 8 warps, whose reductions cross fewer warps (2.48 TB/s on the H100,

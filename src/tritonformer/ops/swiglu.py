@@ -68,12 +68,12 @@ _launch_fwd = runtime.FastLaunch(_swiglu_fwd_kernel)
 _launch_bwd = runtime.FastLaunch(_swiglu_bwd_kernel)
 
 
-def _launch_shape(rows: list[torch.Tensor]) -> tuple[int, int, int, int]:
+def _launch_shape(views: list[torch.Tensor]) -> tuple[int, int, int, int]:
     """(rows, N, column blocks, BLOCK) for (rows, N) views with unit column stride. Rows that all
     follow one another in memory are one long row: no block is cut by a row's end (at 11008
     columns and 8192-element blocks, a second block per row a third full cost 6% of the forward)."""
-    M, N = rows[0].shape
-    if M > 1 and all(t.stride(0) == N for t in rows):
+    M, N = views[0].shape
+    if M > 1 and all(t.stride(0) == N for t in views):
         M, N = 1, M * N
     block = min(MAX_BLOCK, runtime.next_power_of_2(N))
     return M, N, runtime.cdiv(N, block), block
@@ -121,7 +121,8 @@ def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: 
         return dg, du, h
     M, n, col_blocks, block = _launch_shape([g, u, d])
     _launch_bwd((M * col_blocks,), g, u, d, dg, du, h if store_h else du, n, col_blocks, g.stride(0), u.stride(0),
-                d.stride(0), N, N, N, STORE_H=store_h, BLOCK=block, num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
+                d.stride(0), N, N, N, STORE_H=store_h, BLOCK=block,
+                num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
     return dg, du, h
 
 
