@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE: str = "cpu" if INTERPRET else "cuda"
@@ -173,6 +174,9 @@ def specialization_class(arg):
         return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
     if isinstance(arg, float):
         return float
+    if isinstance(arg, TensorDescriptor):
+        # Its shape and strides are passed as plain ints, not specialized.
+        return arg.base.dtype, tuple(arg.block_shape), arg.padding
     return arg
 
 
@@ -264,8 +268,11 @@ class TunedLauncher:
         return {t.autotuned.fn.__name__: {repr(key): config for key, config in t.chosen.items()}
                 for t in cls.instances if t.chosen}
 
-    def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, **kwargs) -> tuple | None:
-        """Launch; returns (FastLaunch entry, grid) for replays, or None while still tuning."""
+    def __call__(self, key: tuple, grid: Callable[[dict], tuple], *args, fitted: Callable | None = None,
+                 **kwargs) -> tuple | None:
+        """Launch; returns (FastLaunch entry, grid) for replays, or None while still tuning.
+        `fitted(config) -> (args, kwargs)`, when given, replaces the tuning arguments once a config
+        is chosen (host-side tensor descriptors, whose type includes the config's tile shape)."""
         config = self.chosen.get(key)
         if _COMPILE_ONLY.get():
             if config is None:
@@ -276,6 +283,8 @@ class TunedLauncher:
             self.autotuned[grid](*args, **kwargs)
             self.chosen[key] = self.autotuned.best_config.all_kwargs()
             return None
+        if fitted is not None:
+            args, kwargs = fitted(config)
         config_grid = grid(config)
         return self.launch(config_grid, *args, **kwargs, **config), config_grid
 
@@ -302,8 +311,32 @@ class TunedLauncher:
             future.exception()
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device=DEVICE)
+_arrival_counters: dict[tuple, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 counters, zero between launches, for kernels whose programs count
+    their arrival and whose last arrival resets the counter (split-K's in-kernel reduction): a
+    memset launch a call is what this saves. One buffer per (device, stream): launches on one
+    stream run one after another and can share it, launches on two streams could not."""
+    stream = 0 if INTERPRET else torch._C._cuda_getCurrentRawStream(device.index)
+    key = (device, stream)
+    counters = _arrival_counters.get(key)
+    if counters is None or counters.numel() < count:
+        counters = _arrival_counters[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
+_tma_scratches: dict[int, torch.Tensor] = {}
+
+
+def _tma_scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
+    """Device-side descriptors' memory, one growing buffer per stream: a kernel writes its
+    descriptors there when it starts, and kernels on one stream run one after another."""
+    scratch = _tma_scratches.get(stream)
+    if scratch is None or scratch.numel() < size:
+        scratch = _tma_scratches[stream] = torch.empty(size, dtype=torch.int8, device=DEVICE)
+    return scratch
 
 
 def ensure_tma_allocator() -> None:

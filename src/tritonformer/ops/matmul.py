@@ -8,9 +8,10 @@ torch does (`torch.backends.cuda.matmul.allow_tf32`), and exact fp32 otherwise.
 One persistent kernel does all shapes: tiles in grouped order (GROUP_M rows of tiles share the
 columns of b in L2), operands read through tensor descriptors (TMA on Hopper), transposed
 operands read in place. Split-K takes over when the output has too few tiles to fill the GPU
-(small M): partial sums go to a float32 workspace and a second kernel reduces them and applies
-the epilogue. TMA needs 16-byte aligned rows; an operand whose rows are not gets copied once into
-a padded buffer (cheaper than unvectorized loads, see docs/perf-notes.md).
+(small M): partial sums go to a float32 workspace, and the last split to finish a tile adds them
+up and applies the epilogue (no second launch). TMA needs 16-byte aligned rows; an operand whose
+rows are not gets copied once into a padded buffer (cheaper than unvectorized loads, see
+docs/perf-notes.md).
 
 Backward (float operands): dpre = dout * act'(pre), da = dpre @ b^T, db = a^T @ dpre,
 dbias = sum of dpre over rows; both products run on the same kernel, transposes read in place.
@@ -23,6 +24,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
 from ..bench import peers
@@ -120,6 +122,45 @@ def _epilogue_store(
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _device_descriptor(ptr, BATCH, ROWS, COLS, stride_b, stride_r, stride_c, TRANS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A descriptor of (BATCH, ROWS, COLS) matrices, over the transposed (BATCH, COLS, ROWS)
+    layout when TRANS (column-major matrices: TMA wants the last stride to be 1)."""
+    if TRANS:
+        desc = tl.make_tensor_descriptor(ptr, shape=[BATCH, COLS, ROWS], strides=[stride_b, stride_c, stride_r],
+                                         block_shape=[1, BLOCK_C, BLOCK_R])
+    else:
+        desc = tl.make_tensor_descriptor(ptr, shape=[BATCH, ROWS, COLS], strides=[stride_b, stride_r, stride_c],
+                                         block_shape=[1, BLOCK_R, BLOCK_C])
+    return desc
+
+
+@triton.jit
+def split_k_total(acc, ws_ptr, counter_ptr, tile_id, split, rm, rn, M, N, SPLIT_K: tl.constexpr):
+    """Split-K without a second launch. Each split stores its float32 partial tile in ws
+    (SPLIT_K, M, N) and counts itself in at counter_ptr[tile_id]; the split that arrives last
+    sums all partials in split order (bit-identical whichever arrives last), resets the counter
+    for the next launch and returns (True, sum). The others return (False, acc)."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tile_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(ws_ptr + split.to(tl.int64) * M * N + tile_offs, acc, mask=mask)
+    # One thread does the atomic: the barrier orders every thread's partial before its release.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
+        partial_ptrs = ws_ptr + tile_offs
+        for _ in tl.static_range(SPLIT_K):
+            # .cg: read at L2, where the other programs' partials are, never a stale L1 line.
+            total += tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            partial_ptrs += M * N
+        tl.store(counter_ptr + tile_id, 0)
+    return last, total
+
+
 @runtime.autotune(
     configs=_configs(),
     # The epilogue is in the key: an erf-GELU on a 128x256 float32 tile needs other tiles than none.
@@ -128,27 +169,23 @@ def _epilogue_store(
 )
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, pre_ptr, ws_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+    a_ptr, b_ptr, c_ptr, pre_ptr, ws_ptr, counter_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
     BATCH, M, N, K,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
     negative_slope,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
-    STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    if A_TRANS:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[BATCH, K, M], strides=[stride_ab, stride_ak, stride_am],
-                                           block_shape=[1, BLOCK_K, BLOCK_M])
+    # HOST_DESCRIPTORS: a_ptr and b_ptr are tensor descriptors made on the host (_host_descriptor);
+    # otherwise they are made here, which costs a launch about 2 us before its first load.
+    if HOST_DESCRIPTORS:
+        a_desc = a_ptr
+        b_desc = b_ptr
     else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[BATCH, M, K], strides=[stride_ab, stride_am, stride_ak],
-                                           block_shape=[1, BLOCK_M, BLOCK_K])
-    if B_TRANS:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[BATCH, N, K], strides=[stride_bb, stride_bn, stride_bk],
-                                           block_shape=[1, BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[BATCH, K, N], strides=[stride_bb, stride_bk, stride_bn],
-                                           block_shape=[1, BLOCK_K, BLOCK_N])
+        a_desc = _device_descriptor(a_ptr, BATCH, M, K, stride_ab, stride_am, stride_ak, A_TRANS, BLOCK_M, BLOCK_K)
+        b_desc = _device_descriptor(b_ptr, BATCH, K, N, stride_bb, stride_bk, stride_bn, B_TRANS, BLOCK_K, BLOCK_N)
 
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -196,31 +233,16 @@ def _matmul_kernel(
 
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
+        finish = True
         if SPLIT_K > 1:
-            ws_offs = (split.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
-            tl.store(ws_ptr + ws_offs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-        else:
+            # Split-K runs only on a batch of one (_split_k), so t names the tile.
+            finish, acc = split_k_total(acc, ws_ptr, counter_ptr, t, split, rm, rn, M, N, SPLIT_K)
+        if finish:
             _epilogue_store(
                 acc, rm, rn, M, N, c_ptr + batch.to(tl.int64) * stride_cb, pre_ptr + batch.to(tl.int64) * stride_cb,
                 stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr, negative_slope,
                 HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE,
             )
-
-
-@triton.jit
-def _split_k_reduce_kernel(
-    ws_ptr, c_ptr, pre_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_cm, stride_cn, negative_slope,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr,
-    SCALE_B: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(ws_ptr + (split * M + rm.to(tl.int64)[:, None]) * N + rn[None, :], mask=mask, other=0.0)
-    _epilogue_store(acc, rm, rn, M, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr,
-                    negative_slope, HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE)
 
 
 def _tma_operand(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
@@ -272,7 +294,6 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 _launch_matmul = runtime.TunedLauncher(_matmul_kernel)
-_launch_split_k_reduce = runtime.FastLaunch(_split_k_reduce_kernel)
 
 
 def _one_matrix_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -293,8 +314,16 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
     b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
     split_k = _split_k(M, N, K, batch, a.device)
-    ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
-    runtime.ensure_tma_allocator()
+    # Split-K's arrival counters, one a tile: 16 x 16 tiles bound every config's tile count.
+    counters_needed = runtime.cdiv(M, 16) * runtime.cdiv(N, 16) if split_k > 1 else 0
+
+    def scratch(c):
+        """The split-K workspace and counters (c stands in for both without a split)."""
+        if split_k == 1:
+            return c, c
+        return (torch.empty((split_k, M, N), dtype=torch.float32, device=c.device),
+                runtime.arrival_counters(c.device, counters_needed))
+
     scale_a_mode, scale_b_mode = _scale_mode(scale_a), _scale_mode(scale_b)
     element_size = a.element_size()
 
@@ -302,48 +331,58 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         tiles = batch * split_k * runtime.cdiv(M, meta["BLOCK_M"]) * runtime.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, runtime.num_sms(a.device.index or 0) * _programs_per_sm(meta, element_size)),)
 
-    def epilogue_tensors(c, pre, bias, scale_a, scale_b):
-        # Absent tensors are passed as c: the kernel never reads them (their flags are off).
-        return (c, c if pre is None else pre, c if bias is None else bias,
-                c if scale_a is None else scale_a, c if scale_b is None else scale_b)
+    scalars = (batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope)
 
-    def main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b):
-        c, pre, bias, scale_a, scale_b = epilogue_tensors(c, pre, bias, scale_a, scale_b)
-        return (a, b, c, pre, ws, bias, scale_a, scale_b)
+    def main_args(a, b, c, pre, bias, scale_a, scale_b):
+        # Absent tensors are passed as c: the kernel never reads them (their flags are off).
+        return (a, b, c, c if pre is None else pre, *scratch(c), c if bias is None else bias,
+                c if scale_a is None else scale_a, c if scale_b is None else scale_b, *scalars)
+
+    def descriptors(a, b, config):
+        return (_host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
+                _host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
 
     key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None)
-    scalars = (batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope)
     constexprs = dict(
         A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
         UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
     )
-    main = _launch_matmul(key, grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b), *scalars, **constexprs)
-    if split_k > 1:
-        block = 32 if runtime.INTERPRET else 64
-        reduce_grid = (runtime.cdiv(M, block), runtime.cdiv(N, block))
-        reduce_scalars = (M, N, c_strides[1], c_strides[2], negative_slope)
-        reduce_constexprs = dict(
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation, SCALE_A=scale_a_mode,
-            SCALE_B=scale_b_mode, STORE_PRE=pre is not None, BLOCK_M=block, BLOCK_N=block,
-        )
-        reduce = _launch_split_k_reduce(reduce_grid, ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b),
-                                        *reduce_scalars, **reduce_constexprs)
+    # The autotuner times configs with descriptors made on the device (one kernel argument list
+    # fits every config); the chosen config then runs with descriptors made on the host.
+    runtime.ensure_tma_allocator()
+    main = _launch_matmul(
+        key, grid, *main_args(a, b, c, pre, bias, scale_a, scale_b), **constexprs, HOST_DESCRIPTORS=False,
+        fitted=lambda config: (main_args(*descriptors(a, b, config), c, pre, bias, scale_a, scale_b),
+                               dict(**constexprs, HOST_DESCRIPTORS=True)))
     if a is not a_in or b is not b_in or main is None:
         return None
     main_entry, main_grid = main
+    a_desc, b_desc = descriptors(a, b, _launch_matmul.chosen[key])
 
     def replay(a, b, c, pre, bias, scale_a, scale_b):
-        # Planned in one thread, replayed in any: the allocator is per thread (a context variable).
-        runtime.ensure_tma_allocator()
-        ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else c
-        _launch_matmul.launch.replay(main_entry, main_grid, *main_tensors(a, b, c, pre, ws, bias, scale_a, scale_b),
-                                     *scalars)
-        if split_k > 1:
-            _launch_split_k_reduce.replay(reduce, reduce_grid, ws, *epilogue_tensors(c, pre, bias, scale_a, scale_b),
-                                          *reduce_scalars)
+        _launch_matmul.launch.replay(main_entry, main_grid, *main_args(
+            _rebased(a_desc, a), _rebased(b_desc, b), c, pre, bias, scale_a, scale_b))
 
     return replay
+
+
+def _rebased(desc: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
+    """desc over another tensor of the same dtype, shape, strides and alignment (the replay key
+    fixes them all), without running the constructor's checks again (a few us a call)."""
+    rebased = object.__new__(TensorDescriptor)
+    rebased.__dict__.update(desc.__dict__, base=base)
+    return rebased
+
+
+def _host_descriptor(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], trans: bool,
+                     block_rows: int, block_cols: int) -> TensorDescriptor:
+    """The host-side twin of _device_descriptor."""
+    batch, rows, cols = shape
+    stride_b, stride_r, stride_c = strides
+    if trans:
+        return TensorDescriptor(t, [batch, cols, rows], [stride_b, stride_c, stride_r], [1, block_cols, block_rows])
+    return TensorDescriptor(t, [batch, rows, cols], [stride_b, stride_r, stride_c], [1, block_rows, block_cols])
 
 
 def _output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:

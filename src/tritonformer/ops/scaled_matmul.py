@@ -34,14 +34,15 @@ import triton
 import triton.language as tl
 
 from .. import quant, runtime
-from .matmul import _epilogue_store, _launch_split_k_reduce, _one_matrix_strides, _replay_key
+from .matmul import _epilogue_store, _one_matrix_strides, _replay_key, split_k_total
 from .matmul import _launch as _launch_matmul
 from ..quant import FORMATS, QuantizedTensor
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 
 @triton.jit
-def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, bias_ptr, tensor_scale_ptr,
+def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr,
+                          tensor_scale_ptr,
                           M, N, K, k_per_split, stride_am, stride_ak, stride_as, stride_bn, stride_bs,
                           stride_cm, stride_cn,
                           A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
@@ -49,8 +50,8 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
                           TENSOR_SCALE: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of C over the K range [pid_k * k_per_split, + k_per_split),
-    times the scalar at tensor_scale_ptr when TENSOR_SCALE is 1. SPLIT_K > 1 writes float32
-    partial sums to ws (SPLIT_K, M, N) for matmul's split-K reduction instead."""
+    times the scalar at tensor_scale_ptr when TENSOR_SCALE is 1. With SPLIT_K > 1 the last split
+    of a tile to finish sums the float32 partials in ws (SPLIT_K, M, N) and stores the tile."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -78,10 +79,11 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
             b = b.to(tl.bfloat16)
         acc = tl.dot(a, tl.trans(b), acc)
     cols_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    finish = True
     if SPLIT_K > 1:
-        offs = (pid_k * M + rows_a64[:, None]) * N + cols_c[None, :]
-        tl.store(ws_ptr + offs, acc, mask=(rows_a[:, None] < M) & (cols_c[None, :] < N))
-    else:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        finish, acc = split_k_total(acc, ws_ptr, counter_ptr, tile, pid_k, rows_a, cols_c, M, N, SPLIT_K)
+    if finish:
         _epilogue_store(acc, rows_a, cols_c, M, N, c_ptr, c_ptr, stride_cm, stride_cn, bias_ptr, tensor_scale_ptr,
                         c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
@@ -188,29 +190,24 @@ def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias,
     if plan is None:
         plan = _plan_in_registers(a_fmt, b, M, N, K, c.device)
         _register_plans.put(key, plan)
-    grid, split, k_per_split, reduce_grid, reduce_block, constexprs, entries = plan
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=c.device) if split > 1 else c
-    args = (a_data, a_scales, b_data, b_scales, c, ws, bias_arg, scale_arg, M, N, K, k_per_split,
+    grid, split, k_per_split, constexprs, entries = plan
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=c.device)
+        counters = runtime.arrival_counters(c.device, grid[0] * grid[1])
+    else:
+        ws = counters = c
+    args = (a_data, a_scales, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, k_per_split,
             a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
             c.stride(0), c.stride(1))
-    reduce_args = (ws, c, c, bias_arg, scale_arg, c, M, N, c.stride(0), c.stride(1), 0.0)
     if entries:
         _launch.replay(entries[0], grid, *args)
-        if split > 1:
-            _launch_split_k_reduce.replay(entries[1], reduce_grid, *reduce_args)
         return
     entries.append(_launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
                            TENSOR_SCALE=int(tensor_scale is not None)))
-    if split > 1:
-        entries.append(_launch_split_k_reduce(
-            reduce_grid, *reduce_args, SPLIT_K=split, HAS_BIAS=bias is not None, ACTIVATION=0,
-            SCALE_A=int(tensor_scale is not None), SCALE_B=0, STORE_PRE=False, BLOCK_M=reduce_block,
-            BLOCK_N=reduce_block))
 
 
 def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
-    """[grid, split, k_per_split, the split-K reduction's grid and block, constexprs, launch entries
-    (filled by the first launch)]."""
+    """[grid, split, k_per_split, constexprs, launch entries (filled by the first launch)]."""
     bm, bn, bk, warps, stages = _launch_shape(M)
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = FORMATS[a_fmt][0] if a_fmt != "bf16" else b.block
@@ -219,11 +216,9 @@ def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
     split = _split_k(tiles, K, bk, device)
     k_per_split = runtime.cdiv(runtime.cdiv(K, split), bk) * bk
     split = runtime.cdiv(K, k_per_split)
-    block = 32 if runtime.INTERPRET else 64
     constexprs = dict(A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, SPLIT_K=split, UPCAST=runtime.INTERPRET,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return [(runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split,
-            (runtime.cdiv(M, block), runtime.cdiv(N, block)), block, constexprs, []]
+    return [(runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split, constexprs, []]
 
 
 _register_plans = runtime.PlanTable()
