@@ -1,53 +1,87 @@
-"""Every matmul config (the autotune list plus candidates) timed alone on given shapes, against
-cuBLAS (torch.matmul), to find the tiles small and skinny matmuls want.
+"""Small and skinny matmuls against cuBLAS (torch.matmul), bf16: for each split-K count, the
+autotuner picks among the config list plus smaller candidate tiles, and the call is timed four
+ways: do_bench (L2 flushed, as the benchmark does), GPU time alone from a cold L2 (a CUDA graph
+of the flush and the call, less the flush alone), from a warm L2 (a graph of the call), and the
+host time of a call (back to back, no synchronization).
 
-    PYTHONPATH=src python3 scripts/sweep_matmul.py [MxNxK ...]   (bf16; default: the small targets)
+    PYTHONPATH=src python3 scripts/sweep_matmul.py [[BATCHx]MxNxK ...]   (default: the small targets)
 """
 
 import sys
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import tritonformer as tf
 from tritonformer.ops import matmul as mm
 
-SHAPES = ["1024x1024x1024", "16x4096x4096", "128x4096x4096", "2048x2048x2048"]
+SHAPES = ["1024x1024x1024", "16x4096x4096", "128x4096x4096", "32x512x512x512"]
 EXTRA = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): smaller tiles than the list's
     (64, 64, 64, 4, 4), (64, 64, 64, 6, 4), (64, 128, 64, 6, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 8),
-    (64, 64, 128, 3, 4), (32, 64, 128, 4, 4), (16, 64, 256, 3, 4), (16, 128, 128, 4, 4), (64, 128, 128, 3, 4),
+    (64, 64, 128, 3, 4), (64, 128, 128, 3, 4), (128, 128, 64, 5, 8), (64, 256, 64, 3, 4),
 ]
 
 kernel = mm._matmul_kernel
 kernel.cache_results = False
 base = list(kernel.configs)
-extra = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
-         for bm, bn, bk, s, w in EXTRA]
-for shape in sys.argv[1:] or SHAPES:
-    M, N, K = map(int, shape.split("x"))
-    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * M * N * K
-    peer = do_bench(lambda: a @ b, warmup=25, rep=200)
-    rows = []
-    for cfg in base + extra:
-        kernel.configs = [cfg]
-        kernel.cache.clear()
-        mm._launch_matmul.chosen.clear()
-        mm._replays.clear()
-        try:
-            ms = do_bench(lambda: tf.matmul(a, b), warmup=25, rep=200)
-        except Exception as e:  # noqa: BLE001 - a config that does not fit is a row
-            print(f"  {cfg} failed: {type(e).__name__}", flush=True)
-            continue
-        rows.append((ms, str(cfg)))
-    kernel.configs = base
+kernel.configs = base + [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+    for bm, bn, bk, s, w in EXTRA]
+default_split_k = mm._split_k
+
+
+FLUSH = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+
+def timings(fn):
+    """(do_bench, cold GPU, warm GPU, host) microseconds a call."""
+    import time
+
+    fn()
+    bench = do_bench(fn, warmup=25, rep=200)
+    flush = do_bench_cudagraph(FLUSH.zero_, rep=100)
+    cold = do_bench_cudagraph(lambda: (FLUSH.zero_(), fn()), rep=100) - flush
+    warm = do_bench_cudagraph(fn, rep=100)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        fn()
+    host = (time.perf_counter() - start) / 200
+    torch.cuda.synchronize()
+    return tuple(round(t * 1e3, 1) for t in (bench, cold, warm, host * 1e3))
+
+
+def fresh():
     kernel.cache.clear()
     mm._launch_matmul.chosen.clear()
     mm._replays.clear()
-    tuned = do_bench(lambda: tf.matmul(a, b), warmup=25, rep=200)
-    print(f"{shape}: cuBLAS {peer * 1e3:.1f} us ({flops / peer * 1e-9:.0f} TFLOP/s); autotuned {tuned * 1e3:.1f} us "
-          f"({peer / tuned:.2f}x); split_k {mm._split_k(M, N, K, 1, a.device)}", flush=True)
-    for ms, cfg in sorted(rows)[:6]:
-        print(f"   {ms * 1e3:7.1f} us {peer / ms:5.2f}x  {cfg}", flush=True)
+
+
+for shape in sys.argv[1:] or SHAPES:
+    dims = list(map(int, shape.split("x")))
+    batch, (M, N, K) = (dims[0] if len(dims) == 4 else None), dims[-3:]
+    lead = (batch,) if batch else ()
+    a = torch.randn(*lead, M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(*lead, K, N, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * M * N * K * (batch or 1)
+    peer = timings(lambda: a @ b)
+    print(f"{shape}: cuBLAS {peer} us (do_bench, cold, warm, host; {flops / peer[0] * 1e-6:.0f} TFLOP/s); "
+          f"default split {default_split_k(M, N, K, batch or 1, a.device)}", flush=True)
+    splits = [1] if batch else [s for s in (1, 2, 3, 4, 6, 8) if K // s >= 256]
+    for split in splits:
+        mm._split_k = lambda *args, split=split: split  # noqa: E731
+        fresh()
+        try:
+            tf.matmul(a, b)
+            ours = timings(lambda: tf.matmul(a, b))
+        except Exception as e:  # noqa: BLE001 - a split that fails is a row
+            print(f"  split {split} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        (chosen,) = mm._launch_matmul.chosen.values()
+        cfg = "x".join(str(chosen[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+            f":w{chosen['num_warps']}:s{chosen['num_stages']}"
+        ratios = " ".join(f"{p / o:.2f}x" for p, o in zip(peer[:3], ours[:3]))
+        print(f"  split {split}: {ours} us  {ratios}  {cfg}", flush=True)
+    mm._split_k = default_split_k
+    fresh()
