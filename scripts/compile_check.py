@@ -66,8 +66,9 @@ class _Recorder:
         self.tuned = isinstance(launcher, runtime.TunedLauncher)
         self.kernel = launcher.autotuned if self.tuned else launcher.kernel
 
-    def __call__(self, *a, **kw):
+    def __call__(self, *a, fitted=None, **kw):
         args = a[2:] if self.tuned else a[1:]
+        self.fitted = fitted
         self.store[self.name] = (self.kernel, list(args), dict(kw))
 
 

@@ -1,15 +1,18 @@
 """GPU time by kernel of one registry benchmark case, per provider (torch.profiler), to see where
 a case's time goes beside its matmuls; beside it the case's time as the benchmark takes it
 (do_bench, L2 flushed before each call) and back to back (host and GPU overlapped), which tell a
-host-bound case from a GPU-bound one.
+host-bound case from a GPU-bound one. With --host, also the host time of a call (the calls
+queued without waiting for the GPU) and the Python functions it goes to (cProfile, by own time).
 
-    python scripts/profile_case.py OP [--case N] [--providers tritonformer,torch.compile] [--top 15]
+    python scripts/profile_case.py OP [--case N] [--providers tritonformer,torch.compile] [--top 15] [--host]
 
 N indexes the op's bench cases in registry order (default 0).
 """
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 
 import torch
@@ -24,6 +27,7 @@ parser.add_argument("--case", type=int, default=0)
 parser.add_argument("--providers", default="tritonformer,torch.compile")
 parser.add_argument("--top", type=int, default=15)
 parser.add_argument("--repeats", type=int, default=5)
+parser.add_argument("--host", action="store_true")
 args = parser.parse_args()
 
 case = OPS[args.op].bench_cases()[args.case]
@@ -56,3 +60,16 @@ for name in args.providers.split(","):
           f"back to back {back_to_back:.0f} us a call")
     for kernel, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {us:8.1f} us  x{count[kernel] // args.repeats:<3d} {kernel}")
+    if args.host:
+        torch.cuda.synchronize()
+        calls = 20
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+        host = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        print(f"  host: {host:.0f} us a call (profiled)")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)

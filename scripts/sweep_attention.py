@@ -1,12 +1,14 @@
 """Per-kernel timing of the attention kernels over launch configs, on the GPU.
 
     PYTHONPATH=src python3 scripts/sweep_attention.py [--shapes B,H,S,D,causal[,H_kv];...] [--kernels fwd,dkdv,dq]
-        [--extra fwd=128x128:w8:s3,...;dkdv=...] [--json FILE]
+        [--extra fwd=128x128:w8:s3,...;dkdv=...] [--descriptors 0,1] [--json FILE]
 
 For each shape (bf16, the issue's targets by default) the op's own forward and backward are
 called once with their launchers replaced by recorders (scripts/compile_check.py's), which
 gives each kernel's real arguments; then every pruned config of the kernel (plus --extra ones)
-is launched directly and timed (triton.testing.do_bench, median). Printed per row: the kernel's
+is launched directly and timed (triton.testing.do_bench, median), once per --descriptors mode
+(how streamed tiles are read: 0 pointer loads, 1 TMA descriptors, the latter only where the op
+uses them). Printed per row: the kernel's
 time and its own TFLOP/s (fwd: 2 matmuls of the band, dkdv: 4, dq: 3), then the end-to-end
 forward and forward+backward of tritonformer and of SDPA's flash and cuDNN backends, with the
 issue's FLOP count (4.B.H.S^2.D, halved for causal; x3.5 for forward+backward).
@@ -35,7 +37,7 @@ MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}
 class _GridRecorder(_Recorder):
     def __call__(self, *a, **kw):
         super().__call__(*a, **kw)
-        self.store[self.name] += (a[1] if self.tuned else a[0],)
+        self.store[self.name] += (a[1] if self.tuned else a[0], self.fitted)
 
 
 def record(q, k, v, causal):
@@ -53,7 +55,7 @@ def record(q, k, v, causal):
         for attr, launcher in saved.items():
             setattr(attn, attr, launcher)
     # The dQ kernel writes the delta that the dK/dV kernel reads: one launch of its first config.
-    dq_kernel, args, kw, grid = store["dq"]
+    dq_kernel, args, kw, grid, _ = store["dq"]
     config = dq_kernel.early_config_prune(dq_kernel.configs, dict(zip(dq_kernel.fn.arg_names, args)), **kw)[0]
     meta = dict(kw, **config.kwargs)
     dq_kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -65,6 +67,7 @@ def main():
     p.add_argument("--shapes", default=TARGETS)
     p.add_argument("--kernels", default="fwd,dkdv,dq")
     p.add_argument("--extra", default="", help="kernel=configs;... in compile_check's config syntax")
+    p.add_argument("--descriptors", default="0,1")
     p.add_argument("--json")
     a = p.parse_args()
     extra = {}
@@ -82,29 +85,36 @@ def main():
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
         store = record(q, k, v, causal)
         for name in a.kernels.split(","):
-            kernel, args, kw, grid = store[name]
+            kernel, args, kw, grid, fitted = store[name]
             fn = kernel.fn
             named = dict(zip(fn.arg_names, args))
             configs = kernel.configs + extra.get(name, [])
             kept = kernel.early_config_prune(configs, named, **kw) + extra.get(name, [])
             seen = set()
             for c in kept:
-                label = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
-                if label in seen:
+                tile = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
+                if tile in seen:
                     continue
-                seen.add(label)
-                meta = dict(kw, **c.kwargs)
-                g = grid(meta) if callable(grid) else grid
-                try:
-                    ms = do_bench(lambda: fn[g](*args, **meta, num_warps=c.num_warps, num_stages=c.num_stages),
-                                  warmup=10, rep=60)
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is a row
-                    rows.append(dict(shape=shape, kernel=name, config=label, error=type(e).__name__))
-                    print(f"{shape:26s} {name:5s} {label:16s} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                tflops = flops * MATMULS[name] / 2 / ms * 1e-9
-                rows.append(dict(shape=shape, kernel=name, config=label, ms=ms, tflops=tflops))
-                print(f"{shape:26s} {name:5s} {label:16s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s", flush=True)
+                seen.add(tile)
+                for mode in map(int, a.descriptors.split(",")):
+                    if mode and fitted is None:
+                        continue
+                    label = f"{tile}:d{mode}"
+                    run_args, meta = args, dict(kw, **c.kwargs, DESCRIPTORS=bool(mode))
+                    if mode:
+                        run_args, with_descriptors = fitted(c.all_kwargs())
+                        meta = dict(with_descriptors, **c.kwargs)
+                    g = grid(meta) if callable(grid) else grid
+                    try:
+                        ms = do_bench(lambda: fn[g](*run_args, **meta, num_warps=c.num_warps, num_stages=c.num_stages),
+                                      warmup=10, rep=60)
+                    except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is a row
+                        rows.append(dict(shape=shape, kernel=name, config=label, error=type(e).__name__))
+                        print(f"{shape:26s} {name:5s} {label:16s} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    tflops = flops * MATMULS[name] / 2 / ms * 1e-9
+                    rows.append(dict(shape=shape, kernel=name, config=label, ms=ms, tflops=tflops))
+                    print(f"{shape:26s} {name:5s} {label:16s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s", flush=True)
         do = torch.randn_like(q)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -141,6 +141,31 @@ def test_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_tensor_descriptor_loads_equal_pointer_loads(D, device, monkeypatch):
+    """Dense batches at head dims 64 and 128 stream their tiles through TMA descriptors (boxes set
+    per config while tuning, then the chosen config's). Under the interpreter the bits must be the
+    pointer path's; on a GPU each path tunes its own config, so their sums may differ in order."""
+    from tritonformer.ops import attention as attn
+    q, k, v = _qkv(device, H=4, H_kv=2, S_q=33, S_k=47, D=D, dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    lay = attn._Layout(q, k, None, 0, 0)
+    assert attn._descriptors_fit(lay, "fwd", k, v) and attn._descriptors_fit(lay, "dq", k, v)
+    assert attn._descriptors_fit(lay, "dkdv", q, do) == (D == 128)
+    assert not attn._descriptors_fit(lay, "fwd", k[..., 1:], v)  # base not 16-byte aligned
+    assert not attn._descriptors_fit(lay, "fwd", k.expand(2, -1, -1, -1), v)  # a zero stride
+    # Twice: the first call tunes, the second replays the chosen config.
+    with_descriptors = [_grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do) for _ in range(2)]
+    monkeypatch.setattr(attn, "_descriptors_fit", lambda *a: False)
+    pointers = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
+    for run in with_descriptors:
+        for a, b in zip(run, pointers):
+            if device == "cpu":
+                assert torch.equal(a, b)
+            else:
+                assert_close(a, b, torch.bfloat16)
+
+
 def test_no_grad_returns_a_tensor_and_lse_on_request(device):
     q, k, v = _qkv(device, grad=False)
     assert isinstance(tf.attention(q, k, v), torch.Tensor)

@@ -8,6 +8,7 @@ at import, before any kernel is defined (the interpreter is picked when `triton.
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import os
 import threading
@@ -302,13 +303,24 @@ class TunedLauncher:
                 configs = prune(configs, dict(zip(fn.arg_names, args)), **kwargs)
             device = torch.cuda.current_device()
             futures = self.compiling[key] = [
-                _compile_pool().submit(_warmup, fn, device, grid(c.all_kwargs()), args, {**kwargs, **c.all_kwargs()})
+                _compile_pool().submit(_warmup, fn, device, grid(c.all_kwargs()), _hooked_args(fn, args, kwargs, c),
+                                       {**kwargs, **c.all_kwargs()})
                 for c in configs]
         if _COMPILE_ONLY.get():
             return
         for future in futures:
             # A config that fails to compile is the autotuner's to report (it compiles it again).
             future.exception()
+
+
+def _hooked_args(fn, args: tuple, kwargs: dict, config: triton.Config) -> tuple:
+    """args as the autotuner will run `config` with them: after its pre_hook, which may set the
+    box shape of tensor descriptors (it runs on copies: the configs compile side by side)."""
+    if config.pre_hook is None:
+        return args
+    args = [copy.copy(a) if isinstance(a, TensorDescriptor) else a for a in args]
+    config.pre_hook({**dict(zip(fn.arg_names, args)), **kwargs, **config.all_kwargs()})
+    return args
 
 
 _arrival_counters: dict[tuple, torch.Tensor] = {}

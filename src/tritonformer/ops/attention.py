@@ -36,6 +36,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
 from ..bench import peers
@@ -47,12 +48,33 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = -1
 
 
-def _config(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _descriptor_rows(names: tuple[str, ...], block: str):
+    """A config's pre_hook: the tensor descriptors passed as the arguments `names` (when they are
+    descriptors) get (1, 1, config[block], D) boxes, so that the autotuner times every config
+    with TMA loads of its own tile shape."""
+
+    def hook(nargs):
+        for name in names:
+            desc = nargs[name]
+            if isinstance(desc, TensorDescriptor):
+                desc.block_shape = [1, 1, nargs[block], desc.block_shape[3]]
+
+    return hook
 
 
-# The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
-_INTERPRETER_CONFIGS = [_config(16, 16, 4, 1)]
+# The forward and dQ kernels stream K and V blocks of BLOCK_N rows; dK/dV streams Q and dO blocks
+# of BLOCK_M rows.
+_KV_ROWS = _descriptor_rows(("k_ptr", "v_ptr"), "BLOCK_N")
+_Q_ROWS = _descriptor_rows(("q_ptr", "do_ptr"), "BLOCK_M")
+
+
+def _config(bm, bn, warps, stages, hook=_KV_ROWS):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=hook)
+
+
+def _interpreter_configs(hook=_KV_ROWS):
+    # The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
+    return [_config(16, 16, 4, 1, hook)]
 
 
 def _fwd_configs():
@@ -60,7 +82,7 @@ def _fwd_configs():
     or came close at some head dim in scripts/sweep_attention.py on the H100 (bf16), and the
     small tiles that head dim 256 needs."""
     if runtime.INTERPRET:
-        return _INTERPRETER_CONFIGS
+        return _interpreter_configs()
     return [
         _config(128, 64, 8, 3),     # D 64 and 128 (S 4096)
         _config(128, 64, 8, 4),     # D 128 (S 16384)
@@ -77,24 +99,24 @@ def _fwd_configs():
 def _dkdv_configs():
     """The dK/dV kernel keeps BLOCK_N keys resident and streams BLOCK_M query rows."""
     if runtime.INTERPRET:
-        return _INTERPRETER_CONFIGS
+        return _interpreter_configs(_Q_ROWS)
     return [
-        _config(64, 128, 8, 3),     # D 128
-        _config(64, 128, 8, 2),
-        _config(32, 128, 8, 3),
-        _config(32, 128, 8, 2),
-        _config(32, 64, 4, 3),      # D 64, and D 128 causal
+        _config(64, 128, 8, 3, _Q_ROWS),    # D 128
+        _config(64, 128, 8, 2, _Q_ROWS),
+        _config(32, 128, 8, 3, _Q_ROWS),
+        _config(32, 128, 8, 2, _Q_ROWS),
+        _config(32, 64, 4, 3, _Q_ROWS),     # D 64, and D 128 causal
         # Small tiles for head dim 256, where the larger ones spill or do not fit.
-        _config(64, 32, 8, 2),
-        _config(32, 32, 8, 2),
-        _config(32, 64, 8, 2),
+        _config(64, 32, 8, 2, _Q_ROWS),
+        _config(32, 32, 8, 2, _Q_ROWS),
+        _config(32, 64, 8, 2, _Q_ROWS),
     ]
 
 
 def _dq_configs():
     """The dQ kernel keeps BLOCK_M query rows resident and streams BLOCK_N keys."""
     if runtime.INTERPRET:
-        return _INTERPRETER_CONFIGS
+        return _interpreter_configs()
     return [
         _config(128, 64, 8, 3),     # D 128
         _config(128, 64, 8, 2),
@@ -127,7 +149,8 @@ def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
     In 16-bit dtypes, also drop the configs that spill too many registers at this head dim
     (_SPILL_FREE_UP_TO), unless that would leave none, and keep the measured winners where the
     sweep has them (_MEASURED_BEST); float32 gets the smallest tiles only."""
-    block_d, elt = kwargs["BLOCK_D"], named_args["q_ptr"].element_size()
+    block_d, q = kwargs["BLOCK_D"], named_args["q_ptr"]
+    elt = (q.base if isinstance(q, TensorDescriptor) else q).element_size()
     kept = [c for c in configs
             if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
             <= 200 * 1024]
@@ -263,15 +286,46 @@ def _load_tile(base, offs_r, offs_d, stride_r, stride_d, n_rows, ROWS_MASKED: tl
 
 
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+def _stream_source(ptr, b, h, row_start, stride_b, stride_h, stride_s, DESCRIPTORS: tl.constexpr):
+    """What _stream_tile reads head (b, h) from: the tensor descriptor passed as ptr, or the
+    head's first row."""
+    if DESCRIPTORS:
+        src = ptr
+    else:
+        src = ptr + b * stride_b + h * stride_h + row_start * stride_s
+    return src
+
+
+@triton.jit
+def _stream_tile(src, b, h, start, offs_r, offs_d, stride_r, stride_d, n_rows, ROWS_MASKED: tl.constexpr,
+                 UPCAST: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                 DESCRIPTORS: tl.constexpr):
+    """The (BLOCK_R, BLOCK_D) tile of rows [start, start + BLOCK_R) of head (b, h): through the
+    tensor descriptor `src` (a (B, H, S, HEAD_D) tensor read in (1, 1, BLOCK_R, HEAD_D) boxes,
+    zero past S as _load_tile's masked rows) when DESCRIPTORS, else as _load_tile from the head's
+    base pointer."""
+    if DESCRIPTORS:
+        x = src.load([b, h, start, 0]).reshape(BLOCK_R, BLOCK_D)
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = _load_tile(src, offs_r, offs_d, stride_r, stride_d, n_rows, ROWS_MASKED, UPCAST, HEAD_D, BLOCK_D)
+    return x
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b, hk, stride_ks, stride_kd, stride_vs, stride_vd,
                 offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, hi,
                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                DESCRIPTORS: tl.constexpr):
     """Online-softmax update of (acc, l, m) over the key blocks [lo, hi) (base-2 logits)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, S_k, MASK, UPCAST, HEAD_D, BLOCK_D)
-        v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, S_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        k = _stream_tile(k_src, b, hk, start_n, offs_n, offs_d, stride_ks, stride_kd, S_k, MASK, UPCAST, HEAD_D,
+                         BLOCK_D, BLOCK_N, DESCRIPTORS)
+        v = _stream_tile(v_src, b, hk, start_n, offs_n, offs_d, stride_vs, stride_vd, S_k, MASK, UPCAST, HEAD_D,
+                         BLOCK_D, BLOCK_N, DESCRIPTORS)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK:
             ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
@@ -293,16 +347,19 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_v
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd, stride_dos, stride_dod,
-                 offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
+def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, stride_qs, stride_qd, stride_dos,
+                 stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
                  MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DESCRIPTORS: tl.constexpr):
     """dK, dV of one key block accumulated over the query blocks [lo, hi) of one query head, on
     transposed scores (keys along rows)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, MASK, UPCAST, HEAD_D, BLOCK_D)
-        do = _load_tile(do_base, offs_m, offs_d, stride_dos, stride_dod, len_q, MASK, UPCAST, HEAD_D, BLOCK_D)
+        q = _stream_tile(q_src, b, h, start_m, offs_m, offs_d, stride_qs, stride_qd, len_q, MASK, UPCAST, HEAD_D,
+                         BLOCK_D, BLOCK_M, DESCRIPTORS)
+        do = _stream_tile(do_src, b, h, start_m, offs_m, offs_d, stride_dos, stride_dod, len_q, MASK, UPCAST,
+                          HEAD_D, BLOCK_D, BLOCK_M, DESCRIPTORS)
         if MASK:
             lse2 = tl.load(lse_row + offs_m, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_row + offs_m, mask=offs_m < len_q, other=0.0)
@@ -324,15 +381,18 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, s
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b, hk, stride_ks, stride_kd, stride_vs, stride_vd,
                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+               INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               DESCRIPTORS: tl.constexpr):
     """dQ of one query block accumulated over the key blocks [lo, hi), as the forward streams them."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, len_k, MASK, UPCAST, HEAD_D, BLOCK_D)
-        v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, len_k, MASK, UPCAST, HEAD_D, BLOCK_D)
+        k = _stream_tile(k_src, b, hk, start_n, offs_n, offs_d, stride_ks, stride_kd, len_k, MASK, UPCAST, HEAD_D,
+                         BLOCK_D, BLOCK_N, DESCRIPTORS)
+        v = _stream_tile(v_src, b, hk, start_n, offs_n, offs_d, stride_vs, stride_vd, len_k, MASK, UPCAST, HEAD_D,
+                         BLOCK_D, BLOCK_N, DESCRIPTORS)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASK:
             ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
@@ -411,19 +471,21 @@ def _attention_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """S_q, S_k are the lengths of every sequence, or with VARLEN the longest ones (the grid's
-    extent); a sequence's rows start at row q_start / k_start of the packed tensors."""
+    extent); a sequence's rows start at row q_start / k_start of the packed tensors. With
+    DESCRIPTORS (dense batches only), K and V blocks come through tensor descriptors (TMA)."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
                                                                      CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
         if start_m >= len_q:
             return
     q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
-    k_base = k_ptr + b * stride_kb + k_start * stride_ks + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + k_start * stride_vs + hk * stride_vh
+    k_src = _stream_source(k_ptr, b, hk, k_start, stride_kb, stride_kh, stride_ks, DESCRIPTORS)
+    v_src = _stream_source(v_ptr, b, hk, k_start, stride_vb, stride_vh, stride_vs, DESCRIPTORS)
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -438,15 +500,18 @@ def _attention_fwd_kernel(
     mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     # Blocks cut by the window's left edge, blocks inside the band (no mask), blocks cut by the
     # diagonal or the end of the keys.
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
+                                stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
+                                stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
-                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
+                                stride_vd,
                                 offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
+                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
 
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
@@ -471,12 +536,12 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dks, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
     the query blocks of the band. Works on transposed scores (keys along rows). dK and dV share
-    the strides stride_dk*."""
+    the strides stride_dk*. With DESCRIPTORS, Q and dO blocks come through tensor descriptors."""
     # Causal: the first key blocks see the most queries; they start first.
     rank, bhk = _grouped_block(tl.cdiv(S_k, BLOCK_N), GROUP_PROGRAMS)
     start_n = rank * BLOCK_N
@@ -509,21 +574,25 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for g in range(0, group):
         h = hk * group + g
-        q_base = q_ptr + b * stride_qb + q_start * stride_qs + h * stride_qh
-        do_base = do_ptr + b * stride_dob + q_start * stride_dos + h * stride_doh
+        q_src = _stream_source(q_ptr, b, h, q_start, stride_qb, stride_qh, stride_qs, DESCRIPTORS)
+        do_src = _stream_source(do_ptr, b, h, q_start, stride_dob, stride_doh, stride_dos, DESCRIPTORS)
+        b32, h32 = b.to(tl.int32), h.to(tl.int32)
         lse_row = lse_ptr + b * stride_lb + h * stride_lh + q_start
         delta_row = delta_ptr + b * stride_lb + h * stride_lh + q_start
         # Query blocks cut by the diagonal, blocks that see the whole key block (no mask), blocks
         # cut by the window or the end of the queries.
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              lo, mid_lo, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+                              lo, mid_lo, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
+                              DESCRIPTORS)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              mid_lo, mid_hi, False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_row, delta_row, stride_qs, stride_qd,
+                              mid_lo, mid_hi, False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
+                              DESCRIPTORS)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              mid_hi, hi, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D)
+                              mid_hi, hi, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
+                              DESCRIPTORS)
 
     out_offs = b * stride_dkb + hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :]
     kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_D)
@@ -544,19 +613,21 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
     H, H_kv, S_q, S_k, sm_scale, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, HAS_DLSE: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query block: streams the key blocks of the band, as the forward does. It also
     computes the block's delta = rowsum(dO * O) - dlse (it holds dO already) and stores it for
-    the dK/dV kernel, which runs after it: no separate pass over O and dO."""
+    the dK/dV kernel, which runs after it: no separate pass over O and dO. With DESCRIPTORS, K
+    and V blocks come through tensor descriptors."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
                                                                      CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
         if start_m >= len_q:
             return
-    k_base = k_ptr + b * stride_kb + k_start * stride_ks + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + k_start * stride_vs + hk * stride_vh
+    k_src = _stream_source(k_ptr, b, hk, k_start, stride_kb, stride_kh, stride_ks, DESCRIPTORS)
+    v_src = _stream_source(v_ptr, b, hk, k_start, stride_vb, stride_vh, stride_vs, DESCRIPTORS)
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -578,15 +649,15 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, hi = _key_range(start_m, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
                     offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
-                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
                     offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
-                    False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                    False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
                     offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
-                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D)
+                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
 
     dq_offs = b * stride_dqb + h * stride_dqh + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :]
     q_mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_D)
@@ -614,6 +685,49 @@ def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, va
     # bucket, not once per length.
     S_q, S_k = runtime.next_power_of_2(S_q), runtime.next_power_of_2(S_k)
     return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen)
+
+
+def _descriptors_fit(lay: "_Layout", kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether `kernel` reads its streamed tiles through TMA descriptors: where they pay
+    (scripts/sweep_attention.py: 3-9% at head dim 128 in every kernel and in the forward and dQ
+    at 64; the dK/dV kernel's 32-row tiles at 64 lose 7%), on a dense batch (a packed one's
+    sequences end inside the tensor, where TMA would not zero the rows past them), and tensors
+    as TMA wants them: a 16-byte aligned base, a unit last stride, every other stride positive
+    and 16-byte aligned."""
+    if lay.varlen or lay.D not in ((128,) if kernel == "dkdv" else (64, 128)):
+        return False
+    for t in tensors:
+        align = 16 // t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st <= 0 or st % align for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptors(args: tuple, positions: tuple[int, ...], shapes: tuple[tuple, ...], rows: int) -> tuple:
+    """args with the tensors at `positions`, of (B, H, S, D) `shapes`, replaced by descriptors
+    read in (1, 1, rows, D) boxes."""
+    args = list(args)
+    for i, shape in zip(positions, shapes):
+        t = args[i]
+        args[i] = TensorDescriptor(t, list(shape), [*t.stride()[:3], 1], [1, 1, rows, shape[3]])
+    return tuple(args)
+
+
+def _launch(launcher: runtime.TunedLauncher, key: tuple, grid, args: tuple, consts: dict,
+            streamed: tuple[tuple[int, ...], tuple[tuple, ...], str] | None):
+    """Launch a kernel; `streamed` = (positions, shapes, block) when the tensors at `positions`
+    go in as descriptors whose boxes have config[block] rows (else None: pointer loads). While
+    the autotuner runs, each config's pre_hook sets its own rows on the descriptors."""
+    if streamed is None:
+        return launcher(key, grid, *args, **consts, DESCRIPTORS=False)
+    positions, shapes, block = streamed
+    consts = dict(consts, DESCRIPTORS=True)
+
+    def fitted(config):
+        return _descriptors(args, positions, shapes, config[block]), consts
+
+    tuning_args = args if key in launcher.chosen else _descriptors(args, positions, shapes, 16)
+    return launcher(key, grid, *tuning_args, **consts, fitted=fitted)
 
 
 class _Layout:
@@ -675,13 +789,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if o.numel() == 0 or lay.S_q == 0:
         lse.fill_(-math.inf)
         return o, lse
-    consts = _constexprs(q, causal, window, lay.varlen)
-    _launch_fwd(
-        _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
-        lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
-        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
-        *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window, **consts,
-    )
+    args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
+            *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
+    kv_shape = (lay.B, lay.H_kv, lay.S_k, lay.D)
+    _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
+            lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,), args,
+            _constexprs(q, causal, window, lay.varlen),
+            ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "fwd", k, v) else None)
     return o, lse
 
 
@@ -712,14 +826,17 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
     key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
     lse_strides = lay.lse_strides(lse)
+    q_shape, kv_shape = (lay.B, lay.H, lay.S_q, lay.D), (lay.B, lay.H_kv, lay.S_k, lay.D)
     # dQ first: it writes the delta that the dK/dV kernel reads.
-    _launch_dq(key, lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
-               q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
-               *strides, *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars, **consts,
-               HAS_DLSE=dlse is not None)
-    _launch_dkdv(key, lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,),
-                 q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
-                 *lay.strides(dk)[:3], *lse_strides, *scalars, **consts)
+    _launch(_launch_dq, key, lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
+            (q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides,
+             *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars),
+            dict(consts, HAS_DLSE=dlse is not None),
+            ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "dq", k, v) else None)
+    _launch(_launch_dkdv, key, lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,),
+            (q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides, *lay.strides(dk)[:3],
+             *lse_strides, *scalars), consts,
+            ((0, 3), (q_shape, q_shape), "BLOCK_M") if _descriptors_fit(lay, "dkdv", q, do) else None)
     return dq, dk, dv
 
 
