@@ -3,8 +3,9 @@ import torch
 
 import tritonformer
 from tritonformer import nn as tnn
+from tritonformer import runtime
 from tritonformer.ops import norm
-from tritonformer.testing import assert_close
+from tritonformer.testing import assert_close, rel_err
 
 from conftest import ON_GPU
 from helpers import compile_fullgraph, foreign_device_tensor
@@ -117,8 +118,10 @@ def test_compiles_without_graph_breaks(device, fn):
         assert_close(g, e.double(), torch.float32, "norm")
 
 
-def test_layer_norm_backward_of_wide_rows_takes_the_looped_kernel(device, monkeypatch):
+@pytest.mark.parametrize("variant", ["looped", "split"])
+def test_layer_norm_backward_of_wide_rows(device, monkeypatch, variant):
     monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
+    monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", variant)
     x = torch.randn(9, 100, device=device, requires_grad=True)
     w = torch.randn(100, device=device, requires_grad=True)
     b = torch.randn(100, device=device, requires_grad=True)
@@ -166,3 +169,106 @@ def test_add_rms_norm_compiles_without_graph_breaks(device):
     got = torch.autograd.grad(compile_fullgraph(loss)(x, res, w), (x, res, w))
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "norm")
+
+
+# The column-split LayerNorm backward at test sizes: several column blocks and row groups, the
+# last of each partial (37 rows in groups of 8, 101 columns in blocks of 32).
+SMALL_SPLIT = dict(coef_rows=2, coef_chunk=32, coef_warps=4, coef_stages=2, block_m=4, block_n=32, rows=8, warps=4,
+                   stages=3, reverse=True)
+
+
+def _split_backward(monkeypatch, **cfg):
+    """Route LayerNorm rows past 64 columns to the split backward with SMALL_SPLIT (updated by
+    cfg); returns the list that each launch of its second kernel appends its grid to."""
+    monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
+    monkeypatch.setattr(norm, "FUSED_MAX_N", 64)  # the no-bias threshold
+    monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", "split")
+    monkeypatch.setattr(norm, "LAYER_NORM_SPLIT", dict(SMALL_SPLIT, **cfg))
+    grids, launch = [], norm._launch_ln_cols
+
+    def recording(grid, *args, **kwargs):
+        grids.append(grid)
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(norm, "_launch_ln_cols", recording)
+    return grids
+
+
+def _layer_norm_grads_vs_float64(x, w, b, dy, dtype):
+    params = [t for t in (x, w, b) if t is not None]
+    grads = torch.autograd.grad(tritonformer.layer_norm(x, w, b), params, dy)
+    leaves = [t.detach().double().requires_grad_(True) for t in params]
+    lw = leaves[1] if w is not None else None
+    lb = leaves[-1] if b is not None else None
+    expected = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], x.shape[-1:], lw, lb), leaves,
+                                   dy.double())
+    for g, e in zip(grads, expected):
+        assert g.dtype == dtype
+        assert_close(g, e, dtype, "norm")
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("params", ["weight+bias", "weight", "bias", "none"])
+def test_layer_norm_split_backward(device, monkeypatch, dtype, params):
+    grids = _split_backward(monkeypatch)
+    M, N = 37, 101
+    x = (torch.randn(M, N, device=device) * 2 + 3).to(dtype).requires_grad_(True)
+    w = (1 + 0.5 * torch.randn(N, device=device)).to(dtype).requires_grad_(True) if "weight" in params else None
+    b = torch.randn(N, device=device).to(dtype).requires_grad_(True) if "bias" in params else None
+    dy = torch.randn(M, N, device=device).to(dtype)
+    _layer_norm_grads_vs_float64(x, w, b, dy, dtype)
+    assert grids == [(4, 5)]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(), dict(reverse=False, stages=1, coef_stages=1), dict(coef_rows=1, coef_chunk=128, block_n=128),
+    dict(rows=64),  # one row group: dw and db stored directly
+])
+def test_layer_norm_split_backward_non_contiguous(device, monkeypatch, cfg):
+    grids = _split_backward(monkeypatch, **cfg)
+    N = 101
+    wide = torch.randn(2, 19, N + 30, device=device)
+    x = wide[..., 7:7 + N].requires_grad_(True)  # rows 131 elements apart
+    assert not x.is_contiguous()
+    w = torch.randn(N, device=device, requires_grad=True)
+    b = torch.randn(N, device=device, requires_grad=True)
+    dy = torch.randn(N, 19, 2, device=device).permute(2, 1, 0)  # column-major rows: copied
+    _layer_norm_grads_vs_float64(x, w, b, dy, torch.float32)
+    assert len(grids) == 1 and grids[0][1] == (1 if cfg.get("rows") == 64 else 5)
+
+
+def test_layer_norm_split_backward_is_deterministic_and_resets_its_counters(device, monkeypatch):
+    grids = _split_backward(monkeypatch)
+    x = torch.randn(37, 101, device=device, requires_grad=True)
+    w = torch.randn(101, device=device, requires_grad=True)
+    b = torch.randn(101, device=device, requires_grad=True)
+    dy = torch.randn(37, 101, device=device)
+    first = torch.autograd.grad(tritonformer.layer_norm(x, w, b), (x, w, b), dy)
+    second = torch.autograd.grad(tritonformer.layer_norm(x, w, b), (x, w, b), dy)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    assert len(grids) == 2
+    assert runtime.arrival_counters(x.device, 1024).count_nonzero() == 0
+
+
+def test_layer_norm_split_backward_of_a_large_mean(device, monkeypatch):
+    """mean(g * xhat) from x - mean, not from sum(g * x) - mean * sum(g), which cancels: no
+    further from float64 than the looped kernel (both start from the forward's float32 mean,
+    itself off by up to half an ulp of 1000, which is why fp32's norm-wise bound is missed)."""
+    _split_backward(monkeypatch)
+    x = (torch.randn(37, 101, device=device) + 1e3).requires_grad_(True)
+    w = torch.randn(101, device=device, requires_grad=True)
+    b = torch.randn(101, device=device, requires_grad=True)
+    dy = torch.randn(37, 101, device=device)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    expected = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], (101,), leaves[1], leaves[2]), leaves,
+                                   dy.double())
+    errors = {}
+    for variant in ("split", "looped"):
+        monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", variant)
+        grads = torch.autograd.grad(tritonformer.layer_norm(x, w, b), (x, w, b), dy)
+        errors[variant] = [rel_err(g, e) for g, e in zip(grads, expected)]
+    assert errors["split"][0] <= 2e-5  # dx
+    for split, looped in zip(errors["split"], errors["looped"]):
+        assert split <= 1.5 * looped + 1e-7, errors

@@ -14,7 +14,8 @@ in registers: the forward reads x once and writes y once; the backward reads x a
 writes dx once. The backward runs a fixed number of programs, each looping over its rows and
 keeping dw and db partial sums in registers; the partials (programs x N, float32) are summed
 once at the end: no atomics, no contention. Longer rows take looped kernels that read a row
-twice (the second read mostly from L2).
+twice (the second read mostly from L2), but for LayerNorm's backward past LAYER_NORM_BWD_MAX_N
+columns, which splits rows over column blocks after a kernel of row means (LAYER_NORM_WIDE_BWD).
 """
 
 from __future__ import annotations
@@ -69,6 +70,28 @@ def _bwd_launch_shape(n: int, rms: bool) -> tuple[int, int, int, int]:
 # The looped backward: 32 warps, one program an SM (1.24 TB/s at LayerNorm 4096x16384 on the H100,
 # against 0.72 at 8 warps and two an SM).
 LOOPED_BWD_WARPS = 32
+# LayerNorm's backward of wider rows (past LAYER_NORM_BWD_MAX_N with a bias, past FUSED_MAX_N
+# without): "split" or "looped" (the kernel above, which RMSNorm's rows past FUSED_MAX_N take).
+# The looped kernel reads x and dy from DRAM once (the second read mostly from L2) but runs one
+# program an SM that waits on each chunk in turn and reads and writes its dw/db partial rows in
+# L2 for every row. The split backward is two kernels: the first reads x and dy and writes each
+# row's mean(g * xhat) and mean(g); the second owns a column block of a row group, reads x and dy
+# again, writes dx and sums dw and db over its rows in registers (the last row group to finish a
+# column block adds the groups' sums: no partial buffer of programs x N, no torch sum after).
+# Five passes instead of three, every one a streaming read or write, many programs an SM.
+# Split launch: coef_rows rows a program and coef_chunk columns a step on coef_warps warps, loads
+# pipelined over coef_stages steps (first kernel); block_m x block_n tiles, `rows` rows a program,
+# `warps` warps, `stages` tiles in flight (second kernel); reverse: the second kernel takes the
+# last row groups first (the first kernel's last rows may still be in L2). Stages above 1 stage
+# the loads through shared memory (cp.async: checked offline for sm_90, where one stage issues
+# each step's loads only after the previous step's arithmetic). Offline ptxas, bf16, no spills:
+# first kernel 1 x 4096 on 8 warps 64 registers (2 stages 80), second 16 x 256 on 8 warps 113
+# (3 stages 80 and 33 KiB of shared memory: 3 programs an SM). H100, 4096 x 16384 bf16 with weight
+# and bias (scripts/probe_layer_norm.py): backward 0.250 ms split, 0.335 looped; the other split
+# settings tried 0.240-0.275.
+LAYER_NORM_WIDE_BWD = "split"
+LAYER_NORM_SPLIT = dict(coef_rows=1, coef_chunk=4096, coef_warps=8, coef_stages=2,
+                        block_m=16, block_n=256, rows=256, warps=8, stages=3, reverse=True)
 
 
 @triton.jit
@@ -281,10 +304,124 @@ def _norm_bwd_looped_kernel(
             tl.store(dx_ptr + row64 * stride_dxm + offs, (dx * rstd).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _ln_bwd_coef_kernel(
+    x_ptr, w_ptr, dy_ptr, stats_ptr, coef_ptr, M, N, stride_xm, stride_dym, offset,
+    HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The column-split LayerNorm backward's first kernel: per row, the two means dx needs,
+    mean(g * xhat) to coef_ptr[row] and mean(g) to coef_ptr[M + row] (g = dy * w), from one
+    streaming read of x and dy. Rows go in program order, so the last rows are the ones still in
+    L2 when the second kernel starts."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)[:, None]
+    rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+    mean = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0)
+    cols = tl.arange(0, CHUNK)
+    sum_g = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+    sum_gxc = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+    for start in tl.range(0, N, CHUNK, num_stages=STAGES):
+        offs = start + cols
+        col_ok = offs < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows64 * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + rows64 * stride_dym + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            g *= (tl.load(w_ptr + offs, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+        sum_g += g
+        # x - mean, not x: sum(g * x) - mean * sum(g) cancels when the mean is large (g is 0 where masked).
+        sum_gxc += g * (x - mean[:, None])
+    tl.store(coef_ptr + rows, tl.sum(sum_gxc, axis=1) * rstd / N, mask=row_ok)
+    tl.store(coef_ptr + M + rows, tl.sum(sum_g, axis=1) / N, mask=row_ok)
+
+
+@triton.jit
+def _ln_bwd_cols_kernel(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, stats_ptr, coef_ptr, dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, counter_ptr,
+    M, N, rows_per_program, stride_xm, stride_dym, stride_dxm, offset,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUPED: tl.constexpr, REVERSE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The column-split LayerNorm backward's second kernel. Program (j, k) owns columns
+    [j * BLOCK_N, (j + 1) * BLOCK_N) of rows [k * rows_per_program, (k + 1) * rows_per_program):
+    it reads x and dy there, writes dx with the row means of the first kernel, and sums dy * xhat
+    and dy over its rows in registers. GROUPED (more than one row group): each group stores its
+    column sums in dw_part/db_part (groups, N) and counts itself in at counter_ptr[j]; the last to
+    arrive adds the groups' sums in group order (the same bits whichever arrives last), writes dw
+    and db, and resets the counter. REVERSE: the last row group first (the first kernel's last
+    rows may still be in L2)."""
+    pid_n = tl.program_id(0)
+    groups = tl.num_programs(1)
+    group = tl.program_id(1)
+    if REVERSE:
+        group = groups - 1 - group
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    row_start = group * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for start in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+        mean = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0)
+        mean_gx = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+        mean_g = tl.load(coef_ptr + M + rows, mask=row_ok, other=0.0)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy
+        if HAS_W:
+            g = dy * w[None, :]
+        dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat  # dy is 0 where masked
+        if HAS_B:
+            db += dy
+    dw_cols = tl.sum(dw, axis=0)
+    db_cols = tl.sum(db, axis=0)
+    if GROUPED:
+        if HAS_W:
+            tl.store(dw_part_ptr + group * N + cols, dw_cols, mask=col_ok)
+        if HAS_B:
+            tl.store(db_part_ptr + group * N + cols, db_cols, mask=col_ok)
+        # One thread does the atomic: the barrier orders every thread's stores before its release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == groups - 1:
+            dw_cols = tl.zeros((BLOCK_N,), tl.float32)
+            db_cols = tl.zeros((BLOCK_N,), tl.float32)
+            for k in range(0, groups):
+                # .cg: at L2, where the other programs' sums are, never a stale L1 line.
+                if HAS_W:
+                    dw_cols += tl.load(dw_part_ptr + k * N + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+                if HAS_B:
+                    db_cols += tl.load(db_part_ptr + k * N + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.store(counter_ptr + pid_n, 0)
+            if HAS_W:
+                tl.store(dw_ptr + cols, dw_cols, mask=col_ok)
+            if HAS_B:
+                tl.store(db_ptr + cols, db_cols, mask=col_ok)
+    else:
+        if HAS_W:
+            tl.store(dw_ptr + cols, dw_cols, mask=col_ok)
+        if HAS_B:
+            tl.store(db_ptr + cols, db_cols, mask=col_ok)
+
+
 _launch_fwd = runtime.FastLaunch(_norm_fwd_kernel)
 _launch_fwd_looped = runtime.FastLaunch(_norm_fwd_looped_kernel)
 _launch_bwd = runtime.FastLaunch(_norm_bwd_kernel)
 _launch_bwd_looped = runtime.FastLaunch(_norm_bwd_looped_kernel)
+_launch_ln_coef = runtime.FastLaunch(_ln_bwd_coef_kernel)
+_launch_ln_cols = runtime.FastLaunch(_ln_bwd_cols_kernel)
 
 
 def _flags(rms: bool, weight, bias, offset: float) -> dict:
@@ -349,6 +486,9 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     M = x_rows.shape[0]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
+    if looped and not rms and dres is None and LAYER_NORM_WIDE_BWD == "split":
+        sums = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
+        return dx, sums
     block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
     programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
     # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
@@ -371,6 +511,40 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
                         HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                         RELOAD_W=rms, num_warps=num_warps)
     return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
+
+
+def _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset) -> torch.Tensor:
+    """LayerNorm's column-split backward (see LAYER_NORM_WIDE_BWD): writes dx, returns the dw
+    and db sums (those that exist) as float32 rows."""
+    M, N = x_rows.shape
+    device = x_rows.device
+    n_params = (weight is not None) + (bias is not None)
+    sums = runtime.empty((n_params, N), torch.float32, device)
+    if M == 0 or N == 0:
+        return sums.zero_()
+    cfg = LAYER_NORM_SPLIT
+    w = _or(weight, x_rows)
+    coef = runtime.empty((2 * M,), torch.float32, device)
+    coef_rows = cfg["coef_rows"]
+    _launch_ln_coef((runtime.cdiv(M, coef_rows),), x_rows, w, dy_rows, stats, coef, M, N, x_rows.stride(0),
+                    dy_rows.stride(0), float(offset), HAS_W=weight is not None, BLOCK_M=coef_rows,
+                    CHUNK=min(cfg["coef_chunk"], runtime.next_power_of_2(N)), STAGES=cfg["coef_stages"],
+                    num_warps=cfg["coef_warps"])
+    block_m, block_n = cfg["block_m"], min(cfg["block_n"], runtime.next_power_of_2(N))
+    # Rows a program: a multiple of block_m, and few enough groups for the grid's second axis.
+    rows = block_m * runtime.cdiv(max(cfg["rows"], runtime.cdiv(M, 65535)), block_m)
+    groups, blocks = runtime.cdiv(M, rows), runtime.cdiv(N, block_n)
+    grouped = groups > 1
+    parts = runtime.empty((n_params, groups, N), torch.float32, device) if grouped else sums
+    counters = runtime.arrival_counters(device, blocks) if grouped else coef
+    # Rows of the sums and partials (placeholders, never touched, when there are no parameters).
+    dw_sum, db_sum = (sums[0], sums[n_params - 1]) if n_params else (coef, coef)
+    dw_part, db_part = (parts[0], parts[n_params - 1]) if n_params else (coef, coef)
+    _launch_ln_cols((blocks, groups), x_rows, w, dy_rows, dx, stats, coef, dw_part, db_part, dw_sum, db_sum,
+                    counters, M, N, rows, x_rows.stride(0), dy_rows.stride(0), N, float(offset),
+                    HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                    GROUPED=grouped, REVERSE=cfg["reverse"], STAGES=cfg["stages"], num_warps=cfg["warps"])
+    return sums
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
