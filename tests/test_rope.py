@@ -44,6 +44,8 @@ def small_tiles(monkeypatch):
     """Tiles of a few positions and two heads, chunks of four heads: many position blocks, several
     steps a program and partial steps, on shapes the interpreter runs quickly."""
     monkeypatch.setattr(rope_op, "LAUNCH", {False: (256, 2, 4, 4, 2), True: (256, 2, 4, 4, 2)})
+    # (B, H, S, D) contiguous would take the flat kernel: keep these on the head-walking one.
+    monkeypatch.setattr(rope_op, "FLAT_BHSD", False)
     # The chunking depends on the SM count: fix it so that the GPU runs the same shapes.
     monkeypatch.setattr(rope_op.runtime, "num_sms", lambda *device: 3)
     rope_op._launch_shape.cache_clear()
@@ -67,6 +69,162 @@ def test_many_blocks_steps_and_chunks(dtype, layout, device, small_tiles):
     grads = torch.autograd.grad(outs, (q, k), douts)
     for g, r in zip(grads, _reference_grads(q, k, cos, sin, douts, layout)):
         assert_close(g, r, dtype)
+
+
+# ---- the flat (B, H, S, D) path ----
+
+@pytest.fixture
+def flat_calls(monkeypatch):
+    """The flat path's launches, recorded as (Hk, DENSE) and passed through, with tiles of 256
+    bytes: a few rows, so that tiles straddle (batch, head) slabs when S is odd."""
+    calls = []
+    launch = rope_op._launch_flat
+
+    def spy(q, k, q_out, k_out, cos, sin, Hk, backward, launch_cfg=None):
+        calls.append((Hk, all(map(rope_op._dense, (q, k, q_out, k_out)))))
+        return launch(q, k, q_out, k_out, cos, sin, Hk, backward, launch_cfg)
+
+    monkeypatch.setattr(rope_op, "_launch_flat", spy)
+    monkeypatch.setattr(rope_op, "FLAT_LAUNCH", {**rope_op.FLAT_LAUNCH, "tile_bytes": 256})
+    return calls
+
+
+def _slab_views(B, H, S, D, dtype, device, how):
+    """(B, H, S, D) tensors whose slabs are contiguous: "dense", "heads" (H of a wider head axis) or
+    "batch-major" (memory laid out (H, B, S, D))."""
+    if how == "heads":
+        return torch.randn(B, H + 2, S, D, device=device).to(dtype)[:, 1:H + 1]
+    if how == "batch-major":
+        return torch.randn(H, B, S, D, device=device).to(dtype).transpose(0, 1)
+    return torch.randn(B, H, S, D, device=device).to(dtype)
+
+
+def _tables(B, S, D, device, kind):
+    if kind == "shared":
+        return [torch.rand(S, D, device=device) * 2 - 1 for _ in range(2)]
+    if kind == "one":
+        return [torch.rand(1, S, D, device=device).to(torch.bfloat16) * 2 - 1 for _ in range(2)]
+    if kind == "batch":
+        return [torch.rand(B, S, D, device=device).to(torch.float16) * 2 - 1 for _ in range(2)]
+    # "mixed": a transposed float32 cos shared by the batch, a float64 sin per batch row
+    return [(torch.rand(D, S, device=device) * 2 - 1).mT,
+            torch.rand(B, S, D, device=device, dtype=torch.float64) * 2 - 1]
+
+
+@pytest.mark.parametrize("dtype,B,Hq,Hk,S,D,views,table", [
+    (torch.float32, 2, 6, 2, 7, 16, ("dense", "dense"), "shared"),
+    (torch.bfloat16, 3, 4, 1, 5, 32, ("dense", "dense"), "batch"),
+    (torch.float16, 2, 3, 3, 9, 24, ("heads", "batch-major"), "one"),
+    (torch.bfloat16, 2, 5, 2, 3, 8, ("batch-major", "heads"), "mixed"),
+    (torch.float32, 1, 1, 1, 1, 2, ("dense", "dense"), "shared"),
+])
+def test_flat_path_matches_reference(dtype, B, Hq, Hk, S, D, views, table, device, flat_calls):
+    # Odd S (tiles straddle slabs), GQA, D/2 not a power of two, per-batch and mixed tables,
+    # non-dense slab layouts; forward and backward against the float64 reference.
+    q = _slab_views(B, Hq, S, D, dtype, device, views[0]).requires_grad_(True)
+    k = _slab_views(B, Hk, S, D, dtype, device, views[1]).requires_grad_(True)
+    cos, sin = _tables(B, S, D, device, table)
+    outs = tf.apply_rope(q, k, cos, sin)
+    assert flat_calls == [(Hk, views == ("dense", "dense"))]
+    for out, exp in zip(outs, _reference(q.detach(), k.detach(), cos, sin)):
+        assert out.stride(3) == 1
+        assert_close(out, exp, dtype)
+    douts = tuple(torch.randn_like(o) for o in outs)
+    grads = torch.autograd.grad(outs, (q, k), douts)
+    assert len(flat_calls) == 2 and flat_calls[1][0] == Hk
+    for g, r in zip(grads, _reference_grads(q, k, cos, sin, douts)):
+        assert_close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_path_equals_head_walking_path(dtype, device, monkeypatch):
+    # Same float32 formula, same roundings: the two kernels agree exactly under the interpreter
+    # (on the GPU, to the dtype's tolerance: FMA contraction may differ between kernels).
+    q = torch.randn(2, 6, 11, 32, device=device).to(dtype)
+    k = torch.randn(2, 2, 11, 32, device=device).to(dtype)
+    cos, sin = _tables(2, 11, 32, device, "batch")
+    douts = torch.randn_like(q), torch.randn_like(k)
+    results = []
+    for flat in (True, False):
+        monkeypatch.setattr(rope_op, "FLAT_BHSD", flat)
+        results.append([*tf.apply_rope(q, k, cos, sin), *rope_op.rope_bwd(*douts, cos, sin, False)])
+    for a, b in zip(*results):
+        if rope_op.runtime.INTERPRET:
+            assert torch.equal(a, b)
+        else:
+            assert_close(a, b.double(), dtype)
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_flat_launch_candidates_run(evict, device):
+    # What scripts/probe_rope.py times: each tile size, with and without eviction hints.
+    q, k, cos, sin = _inputs(device, B=2, Hq=4, Hk=2, S=5, D=16, dtype=torch.bfloat16)
+    expected = _reference(q, k, cos, sin)
+    for launch in rope_op.FLAT_CANDIDATES:
+        if launch["evict"] != evict:
+            continue
+        q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+        rope_op._launch_flat(q, k, q_out, k_out, cos, sin, k.shape[1], False, launch)
+        assert_close(q_out, expected[0], torch.bfloat16)
+        assert_close(k_out, expected[1], torch.bfloat16)
+
+
+def test_flat_path_in_place(device, flat_calls):
+    # Without grad: q and k in one launch, non-dense views written where they lie. With grad:
+    # one launch each (Hk 0), backward of q alone (dk None) writing a fresh dq.
+    B, Hq, Hk, S, D = 2, 3, 1, 7, 16
+    q = _slab_views(B, Hq, S, D, torch.bfloat16, device, "heads")
+    k = _slab_views(B, Hk, S, D, torch.bfloat16, device, "dense")
+    cos, sin = _tables(B, S, D, device, "batch")
+    expected = _reference(q, k, cos, sin)
+    base = q._base.clone()
+    qe, ke = tf.apply_rope(q, k, cos, sin, inplace=True)
+    assert qe is q and ke is k and flat_calls == [(Hk, False)]
+    assert_close(q, expected[0], torch.bfloat16)
+    assert_close(k, expected[1], torch.bfloat16)
+    assert torch.equal(q._base[:, 0], base[:, 0]) and torch.equal(q._base[:, Hq + 1:], base[:, Hq + 1:])
+
+    flat_calls.clear()
+    x = torch.randn(B, Hq + Hk, S, D, device=device, requires_grad=True)
+    y = x * 1.0
+    outs = tf.apply_rope(y[:, :Hq], y[:, Hq:], cos, sin, inplace=True)
+    assert flat_calls == [(0, False), (0, False)]
+    expected = _reference(x.detach()[:, :Hq], x.detach()[:, Hq:], cos, sin)
+    for out, exp in zip(outs, expected):
+        assert_close(out, exp, torch.float32)
+    dq = torch.randn(B, Hq, S, D, device=device)
+    (g,) = torch.autograd.grad(outs[0], x, dq)
+    assert flat_calls[2] == (0, True)
+    x64 = x.detach().double().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(_reference(x64[:, :Hq], x64[:, Hq:], cos, sin)[0], x64, dq.double())
+    assert_close(g, g_ref, torch.float32)
+    assert not g[:, Hq:].any()
+
+
+def test_flat_path_64_bit_offsets(device, monkeypatch, flat_calls):
+    monkeypatch.setattr(rope_op.runtime, "needs_int64", lambda *tensors: True)
+    q = _slab_views(2, 3, 5, 8, torch.float16, device, "heads").requires_grad_(True)
+    k = _slab_views(2, 1, 5, 8, torch.float16, device, "dense")
+    cos, sin = _tables(2, 5, 8, device, "batch")
+    outs = tf.apply_rope(q, k, cos, sin)
+    for out, exp in zip(outs, _reference(q.detach(), k, cos, sin)):
+        assert_close(out, exp, torch.float16)
+    douts = (torch.randn_like(outs[0]), torch.randn_like(outs[1]))
+    (g,) = torch.autograd.grad(outs[:1], (q,), douts[:1])
+    assert_close(g, _reference_grads(q, k, cos, sin, douts)[0], torch.float16)
+    assert len(flat_calls) == 2
+
+
+@pytest.mark.parametrize("layout,view", [("bhsd", "transposed"), ("bhsd", "sliced"), ("bhsd", "strided"),
+                                         ("bshd", None)])
+def test_other_layouts_take_the_head_walking_path(layout, view, device, flat_calls):
+    q = rope_op._heads((2, 3, 6, 8), layout, torch.float32, device, view)
+    k = rope_op._heads((2, 1, 6, 8), layout, torch.float32, device)
+    cos, sin = _tables(2, 6, 8, device, "shared")
+    outs = tf.apply_rope(q, k, cos, sin, layout)
+    assert flat_calls == []
+    for out, exp in zip(outs, _reference(q, k, cos, sin, layout)):
+        assert_close(out, exp, torch.float32)
 
 
 def test_per_batch_table_equals_position_ids_gather(device):
