@@ -50,6 +50,14 @@ MIN_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
+def _rotated(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
+    """The two halves of a row rotated by the angle (forward) or by minus it (BACKWARD)."""
+    if BACKWARD:
+        return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, h_start, h_end, x_tile, out_tile, stride_xh, stride_xd, stride_oh, stride_od,
     c1, c2, s1, s2, tile_mask,
@@ -69,12 +77,7 @@ def _rotate_heads(
         # Both halves are loaded before either is stored: in place, out_ptr is x_ptr.
         x1 = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         x2 = tl.load(x_ptrs + HALF * stride_xd, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        if BACKWARD:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
+        y1, y2 = _rotated(x1, x2, c1, c2, s1, s2, BACKWARD)
         tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + HALF * stride_od, y2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -206,12 +209,7 @@ def _rotate_rows(
     # Both halves are loaded before either is stored: in place, out_ptr is x_ptr.
     x1 = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
     x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
-    if BACKWARD:
-        y1 = x1 * c1 + x2 * s2
-        y2 = x2 * c2 - x1 * s1
-    else:
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
+    y1, y2 = _rotated(x1, x2, c1, c2, s1, s2, BACKWARD)
     out_ptrs = out_ptr + out_rows[:, None] + cols
     tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
