@@ -184,6 +184,42 @@ def test_nvfp4_zero_tensor_and_tiny_blocks(device):
     assert torch.isfinite(quant.dequantize(q)).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subnormals_flush_in_tiny_blocks(fmt, dtype, device):
+    # Blocks whose scale is near 2^-126, where a subnormal x / scale would round to a nonzero code
+    # if it were not flushed; a whole tensor of subnormals (nvfp4: amax 0, tensor scale 1), and
+    # one whose tensor scale is tiny (nvfp4's exact path on the GPU).
+    tiny = torch.tensor([2.0**-124, 2.0**-127, -(2.0**-127.5), 2.0**-126, -(2.0**-125), 2.0**-129, 3 * 2.0**-128, 0.0])
+    x = tiny[torch.randint(0, len(tiny), (4, 64))]
+    x[:, 0] = 2.0**-124
+    for t in (x, x * 2.0**-4, x * 2.0**20, x * 2.0**100):
+        t = t.to(device=device, dtype=dtype)
+        _assert_same(quant.quantize(t, fmt), quant.quantize_reference(t, fmt))
+    sub = (torch.rand(2, 32, device=device) * 2.0**-127).to(dtype)
+    q = quant.quantize(sub, fmt)
+    _assert_same(q, quant.quantize_reference(sub, fmt))
+    assert (quant.dequantize(q) == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_at_an_odd_element_offset(fmt, dtype, device):
+    # A contiguous view one element into its storage: the fp4 kernels read element pairs as words.
+    base = torch.randn(1 + 3 * 64, device=device).to(dtype)
+    x = base[1:].view(3, 64)
+    _assert_same(quant.quantize(x, fmt), quant.quantize_reference(x, fmt))
+
+
+def test_nvfp4_tensor_amax_anywhere(device):
+    # The amax pass strides its programs over tiles of 4096 elements: the largest |x| in the first,
+    # a middle or the last tile, negative or positive.
+    for where, sign in ((0, 1.0), (2 * 4096 + 17, -1.0), (5 * 4096 - 1, 1.0)):
+        x = torch.randn(5, 4096, device=device)
+        x.view(-1)[where] = 40.0 * sign
+        _assert_same(quant.quantize(x, "nvfp4"), quant.quantize_reference(x, "nvfp4"))
+
+
 def test_blocked_layout_round_trip_and_index_map(device):
     rows, cols = 300, 10
     scales = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, device=device)

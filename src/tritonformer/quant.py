@@ -33,9 +33,11 @@ index of the other axes, in order (the quantized axis moved last). `to_blocked` 
 `from_blocked` convert scales to and from the 5D layout block-scaled tensor cores read,
 (rows / 128, cols / 4, 32, 4, 4), rows padded to 128 and scale columns to 4 with zeros.
 
-The quantize kernel computes both roundings with float32 arithmetic and integer thresholds, not
-with Triton's fp8 conversion of unrounded values (Triton 3.6's interpreter rounds those
-differently from the GPU's cvt.rn.satfinite); it converts only exactly representable values.
+The quantize kernel rounds to e2m1 with one float32 addition of a magic number (see
+`_e2m1_code`), to e4m3 on the GPU with its conversion instruction (cvt.rn.satfinite, nearest even);
+Triton 3.6's interpreter rounds fp8 conversions half up, so there it rounds to e4m3 with float32
+arithmetic and converts only exact values. nvfp4 reads x twice: a first kernel takes the tensor's
+amax, which every block scale needs.
 """
 
 from __future__ import annotations
@@ -93,83 +95,226 @@ def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 # ---- the kernel ----
 
+# The GPU rounds with its own instructions: e4m3 by cvt.rn.satfinite (nearest even, saturating at
+# 448), quotients by a multiply and two FMAs. Triton 3.6's interpreter rounds fp8 conversions half
+# up and evaluates tl.fma with two roundings: there the kernel rounds to e4m3 with float32
+# arithmetic and divides with div_rn.
+_GPU_ROUNDING = tl.constexpr(not runtime.INTERPRET)
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+_FLOAT32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
+# nvfp4 divides by reciprocals, without flushing subnormals, from this tensor scale up: see
+# _nvfp4_fast.
+_NVFP4_FAST_SCALE = tl.constexpr(float("inf"))
+_NVFP4_TENSOR_DIV = tl.constexpr(NVFP4_TENSOR_DIV)
+
+
 @triton.jit
 def _pow2(e):
     """2^e as float32 for integer e in [-126, 127], from its bits (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return ((tl.cast(e, tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _round_e4m3(a):
-    """|x| (float32, at most 448) rounded to the nearest e4m3 value, ties to even: adding and
-    subtracting 2^(exponent + 20) leaves 3 mantissa bits (normals), and below 2^-6 the spacing
-    of e4m3's subnormals, 2^-9."""
-    exp_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23)
-    magic = (exp_bits + (20 << 23)).to(tl.float32, bitcast=True)
-    return (a + magic) - magic
+def _max_keeping_nan(a, b):
+    """tl.max's combine skips NaN; a block holding one must have a NaN amax."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _e2m1_code(a):
-    """|x| (float32) to the e2m1 magnitude code 0-7 (values 0, .5, 1, 1.5, 2, 3, 4, 6), nearest
-    with ties to even, saturating at 6. As _round_e4m3 with one mantissa bit: adding and
-    subtracting 2^(exponent + 22) rounds (below 1, to e2m1's subnormal spacing 0.5); from 1 up,
-    the rounded value's exponent and mantissa bit are the code (1.0 -> 2 ... 6.0 -> 7)."""
-    a = tl.minimum(a, 6.0)
-    exp_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)
-    magic = (exp_bits + (22 << 23)).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic
-    return tl.where(r >= 1.0, (r.to(tl.int32, bitcast=True) >> 22) - 252, (r * 2.0).to(tl.int32))
+def _load_pairs(x_ptr, offsets, mask):
+    """The elements 2 i and 2 i + 1 of x (i = offsets) as float32, each pair read as one word: the
+    fp4 formats store the two codes of a pair in one byte, and this way no reshape of the tile
+    stands between the load and the store, which then share one layout (no shuffle through shared
+    memory). x's address must be a multiple of the word."""
+    if x_ptr.dtype.element_ty == tl.float32:
+        w = tl.load(x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + offsets, mask=mask, other=0)
+        lo = w.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        w = tl.load(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offsets, mask=mask, other=0)
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, data_ptr, scale_ptr, tensor_scale_ptr, K, stride_x,
-                     FMT: tl.constexpr, VEC: tl.constexpr, EMAX: tl.constexpr, BLOCKS: tl.constexpr):
-    """One row, BLOCKS scale blocks of VEC elements per program along K (K % VEC == 0)."""
-    row = tl.program_id(0).to(tl.int64)
-    first_block = tl.program_id(1) * BLOCKS
-    n_blocks = K // VEC
-    blk = first_block + tl.arange(0, BLOCKS)
-    cols = blk[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    ok = blk[:, None] < n_blocks
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, 0.0, x)  # subnormals flush to +0
-    a = tl.abs(x)
-    amax = tl.max(a, axis=1)
+def _mx_scale(amax, EMAX: tl.constexpr, HALF_STEP: tl.constexpr):
+    """A block's e8m0 scale byte, its exponent, and `low`: the elements kept are those with
+    |x| > low, the normal ones (subnormals flush to +0) whose x / scale does not round to zero, that
+    is exceeds half the element's smallest step, 2^-HALF_STEP; none in a non-finite block (low NaN).
+    The others become +0, so a kept element's sign is its code's."""
+    finite = amax <= _FLOAT32_MAX
+    # At most 127 - EMAX <= 125 for a finite amax: the spec's clamp at 127 never acts, and 125 keeps
+    # 6 * 2^exp finite in a non-finite block (where no element is kept).
+    exp = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) - 127 - EMAX, -126), 125)
+    low = tl.maximum((exp - HALF_STEP + 127) << 23, 0x007FFFFF).to(tl.float32, bitcast=True)
+    return tl.where(finite, exp + 127, 255).to(tl.uint8), exp, tl.where(finite, low, float("nan"))
+
+
+@triton.jit
+def _mx_kept(x, low):
+    """x where it is kept (see _mx_scale), else +0."""
+    return tl.where(tl.abs(x) > low[:, None], x, 0.0)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """float32 v (finite) to e4m3, nearest with ties to even, saturating at 448. Interpreter: adding
+    and subtracting 2^(exponent + 20) leaves 3 mantissa bits (normals), and below 2^-6 the spacing
+    of e4m3's subnormals, 2^-9; the exact result converts."""
+    if _GPU_ROUNDING:
+        q = v.to(tl.float8e4nv)
+    else:
+        a = tl.minimum(tl.abs(v), 448.0)
+        exp_bits = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23)
+        magic = (exp_bits + (20 << 23)).to(tl.float32, bitcast=True)
+        r = (a + magic) - magic
+        q = tl.where(v < 0, -r, r).to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _e2m1_code(a, exp):
+    """a / 2^exp (a float32 from 0 to 6 * 2^exp, exp an integer in [-126, 125]) to the e2m1
+    magnitude code 0-7 (values 0, .5, 1, 1.5, 2, 3, 4, 6), nearest with ties to even, in bits 0-2
+    of the result (bits 3-22 are 0, the ones above are not). y + M, M of exponent 22 + e,
+    e = max(the exponent of y = a / 2^exp, 0), rounds y once to e2m1's spacing there, 2^(e - 1),
+    and adds v = that rounded y / 2^(e - 1) to M's mantissa (0-4 for e = 0, 2-4 above); the code is
+    v + 2e, so M's mantissa is 2e (even: ties still go to the even code). With t = 127 + e + exp
+    from a's bits, M's bits are (t - exp) (2^23 + 2) + 22 * 2^23 - 254: one multiply-add; y + M is
+    one FMA (a / 2^exp is exact, so the interpreter's two roundings give the same sum)."""
+    t = tl.maximum(a.to(tl.int32, bitcast=True), (exp + 127) << 23) >> 23
+    magic = t * ((1 << 23) + 2) + ((22 << 23) - 2 * 127 - exp * ((1 << 23) + 2))
+    return tl.fma(a, _pow2(-exp), magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_code(x, exp):
+    """x's code (+0 or kept: see _mx_scale) in a block of scale exponent exp, the sign in bit 3."""
+    a = tl.minimum(tl.abs(x), 6.0 * _pow2(exp)[:, None])
+    return _e2m1_code(a, exp[:, None]) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _nvfp4_code(q):
+    """q's code, the sign in bit 3; |q| <= 0.25 rounds to +0."""
+    return _e2m1_code(tl.minimum(tl.abs(q), 6.0), 0) | tl.where(q < -0.25, 8, 0)
+
+
+@triton.jit
+def _div_by_reciprocal(x, d, r):
+    """x / d correctly rounded from r, 1 / d correctly rounded (Markstein: with no underflow, the
+    residual x - q d of q = x r is exact, and q + residual * r rounds to the quotient); 0 where d
+    and r are 0."""
+    q = x * r
+    return tl.fma(tl.fma(q, -d, x), r, q)
+
+
+@triton.jit
+def _div_flushed(x, d):
+    """x / d correctly rounded, x flushed to zero below float32's smallest normal; 0 where d is 0."""
+    x = tl.where(tl.abs(x) < _FLOAT32_MIN_NORMAL, 0.0, x)
+    return tl.where(d[:, None] > 0, tl.math.div_rn(x, tl.where(d > 0, d, 1.0)[:, None]), 0.0)
+
+
+@triton.jit
+def _nvfp4_exact(lo, hi, amax, s):
+    """Block scales (e4m3) from block amaxes and tensor scale s, and the quotients lo / d, hi / d
+    (d = block scale * s) that the elements' codes round: as the recipe, with IEEE divisions."""
+    scale = _to_e4m3(tl.math.div_rn(tl.math.div_rn(amax, 6.0), s))
+    d = scale.to(tl.float32) * s
+    return scale, _div_flushed(lo, d), _div_flushed(hi, d)
+
+
+@triton.jit
+def _nvfp4_fast(lo, hi, amax, s):
+    """_nvfp4_exact by reciprocals (correctly rounded: 1 / 6, 1 / s once, 1 / d once a block), for
+    s >= _NVFP4_FAST_SCALE. Then d, a block scale (at least 2^-9) times s, is at least 2^-89 or 0:
+    the quotient of a subnormal element is under 2^-37 and its code 0, flushed or not; and no
+    residual underflows where it matters: amax / 6 and / s decide a scale only from a quotient of
+    2^-11 up, an element's quotient decides a code from 0.25 up."""
+    scale = _to_e4m3(_div_by_reciprocal(_div_by_reciprocal(amax, 6.0, 1.0 / 6.0), s, tl.math.div_rn(1.0, s)))
+    d = scale.to(tl.float32) * s
+    r = tl.where(d > 0, tl.math.div_rn(1.0, d), 0.0)[:, None]
+    return scale, _div_by_reciprocal(lo, d[:, None], r), _div_by_reciprocal(hi, d[:, None], r)
+
+
+@triton.jit
+def _nvfp4_quantize(lo, hi, amax, s):
+    """(block scales, codes of lo, codes of hi); the GPU takes _nvfp4_fast where it is exact."""
+    if _GPU_ROUNDING:
+        if s >= _NVFP4_FAST_SCALE:
+            scale, q_lo, q_hi = _nvfp4_fast(lo, hi, amax, s)
+        else:
+            scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
+    else:
+        scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
+    return scale, _nvfp4_code(q_lo), _nvfp4_code(q_hi)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, amax_ptr, tensor_scale_ptr, n_blocks, FMT: tl.constexpr,
+                     VEC: tl.constexpr, EMAX: tl.constexpr, BLOCKS: tl.constexpr):
+    """BLOCKS scale blocks of VEC elements per program, of the n_blocks that x (rows of a multiple
+    of VEC elements), data and scales hold back to back: any row length gives full tiles. nvfp4:
+    the tensor's amax at amax_ptr in, its scale at tensor_scale_ptr out (from the first program)."""
+    pid = tl.program_id(0)
     if FMT == "nvfp4":
-        s = tl.load(tensor_scale_ptr)
-        scale = _round_e4m3(amax / 6.0 / s)
-        tl.store(scale_ptr + row * n_blocks + blk, scale.to(tl.float8e4nv), mask=blk < n_blocks)
-        denom = scale * s
-        # IEEE division (Triton's plain fp32 `/` is approximate on the GPU): exact ties, such as
-        # 5.0 between e2m1's 4 and 6, stay exact and round to even.
-        safe = tl.where(denom > 0, denom, 1.0)
-        y = tl.where(denom[:, None] > 0, tl.math.div_rn(a, safe[:, None]), 0.0)
-    else:
-        # tl.max skips NaN: count them.
-        finite = (amax <= 3.4028234663852886e38) & (tl.sum((x != x).to(tl.int32), axis=1) == 0)
-        exp = (amax.to(tl.int32, bitcast=True) >> 23) - 127 - EMAX
-        exp = tl.minimum(tl.maximum(exp, -126), 127)
-        byte = tl.where(finite, exp + 127, 255)
-        tl.store(scale_ptr + row * n_blocks + blk, byte.to(tl.uint8), mask=blk < n_blocks)
-        inv = tl.where(finite, _pow2(-exp), 0.0)
-        y = tl.where(inv[:, None] > 0, a, 0.0) * inv[:, None]
-    negative = x < 0
+        # Last blocks first: _amax_kernel read them last, so they may still be in L2.
+        pid = tl.num_programs(0) - 1 - pid
+    first = pid.to(tl.int64) * BLOCKS
+    x_ptr += first * VEC
+    data_ptr += first * (VEC if FMT == "mxfp8" else VEC // 2)
+    scale_ptr += first
+    blk = tl.arange(0, BLOCKS)
+    ok = blk < n_blocks - first
     if FMT == "mxfp8":
-        q = _round_e4m3(tl.minimum(y, 448.0))
-        q = tl.where(negative & (q > 0), -q, q)
-        tl.store(data_ptr + row * K + cols, q.to(tl.float8e4nv), mask=ok)
+        cols = blk[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        x = tl.load(x_ptr + cols, mask=ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 1, _max_keeping_nan)
     else:
-        code = _e2m1_code(y)
-        code = code | tl.where(negative & (code > 0), 8, 0)
-        pairs = tl.reshape(code, (BLOCKS, VEC // 2, 2))
-        lo, hi = tl.split(pairs)
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        half = blk[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
-        tl.store(data_ptr + row * (K // 2) + half, packed, mask=ok)
+        pairs = blk[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        lo, hi = _load_pairs(x_ptr, pairs, ok[:, None])
+        amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 1, _max_keeping_nan)
+    if FMT == "nvfp4":
+        tensor_amax = tl.load(amax_ptr)
+        s = tl.where(tensor_amax >= _FLOAT32_MIN_NORMAL, tl.math.div_rn(tensor_amax, _NVFP4_TENSOR_DIV), 1.0)
+        tl.store(tensor_scale_ptr, s, mask=tl.program_id(0) == 0)
+        amax = tl.where(amax < _FLOAT32_MIN_NORMAL, 0.0, amax)  # subnormals flush to zero
+        scale, code_lo, code_hi = _nvfp4_quantize(lo, hi, amax, s)
+    else:
+        scale, exp, low = _mx_scale(amax, EMAX, 10 if FMT == "mxfp8" else 2)
+        if FMT == "mxfp8":
+            y = _mx_kept(x, low) * _pow2(-exp)[:, None]
+            tl.store(data_ptr + cols, _to_e4m3(y), mask=ok[:, None])
+        else:
+            code_lo = _mxfp4_code(_mx_kept(lo, low), exp)
+            code_hi = _mxfp4_code(_mx_kept(hi, low), exp)
+    tl.store(scale_ptr + blk, scale, mask=ok)
+    if FMT != "mxfp8":
+        tl.store(data_ptr + pairs, ((code_lo & 15) | (code_hi << 4)).to(tl.uint8), mask=ok[:, None])
 
 
 _launch_quantize = runtime.FastLaunch(_quantize_kernel)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, TILE: tl.constexpr):
+    """amax_ptr[0] = max(amax_ptr[0], |x|) over x's n elements (finite: NaN is not ordered here, as
+    nvfp4 takes no non-finite input). The programs stride over the tiles together, so the tiles
+    read last are the tensor's last, which the nvfp4 quantize kernel reads first."""
+    acc = tl.zeros([TILE], tl.float32)
+    for start in range(tl.program_id(0) * TILE, n, tl.num_programs(0) * TILE):
+        offs = start + tl.arange(0, TILE)
+        acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(acc, 0))
+
+
+_launch_amax = runtime.FastLaunch(_amax_kernel)
 
 
 # ---- decoding (the dequantize kernel and scaled_matmul's tiles) ----
@@ -321,6 +466,15 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return dequantize_rows(q, dtype).reshape(moved).movedim(-1, q.axis)
 
 
+# Elements a program and warps of the quantize kernel, per format: 32 elements a thread, where
+# sm_90's instructions an element (scripts/count_sass.py) are near their lowest; at 64 LLVM packs
+# the 64 compares of mxfp8's kept elements into integer bitmasks. scripts/sweep_quantize.py --sweep
+# times the other shapes on a GPU.
+QUANTIZE_LAUNCH = {"mxfp8": (4096, 4), "mxfp4": (4096, 4), "nvfp4": (4096, 4)}
+_AMAX_TILE = 4096
+_AMAX_PROGRAMS_PER_SM = 8  # 64 KiB of loads in flight an SM
+
+
 def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     """Block-scale x (float32, float16 or bfloat16) along `axis`, whose size must be a multiple
     of the format's block (32, or 16 for nvfp4)."""
@@ -335,24 +489,25 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     M = rows.shape[0]
     device = x.device
     fp4 = fmt != "mxfp8"
+    if fp4 and rows.data_ptr() % (2 * rows.element_size()):
+        rows = rows.clone()  # the kernel reads element pairs as single words
     data = runtime.empty((M, K // 2) if fp4 else (M, K), torch.uint8 if fp4 else torch.float8_e4m3fn, device)
     scales = runtime.empty((M, K // vec), torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8, device)
-    tensor_scale = None
+    tensor_scale = amax = None
     if fmt == "nvfp4":
-        if rows.numel():
-            # One read of x (abs().amax() would write |x| out first).
-            low, high = rows.aminmax()
-            amax = torch.maximum(high.float(), -low.float())
+        if M and K:
+            # The quantize kernel computes the tensor scale from the amax.
+            amax, tensor_scale = torch.zeros(1, device=device), runtime.empty((1,), torch.float32, device)
+            programs = min(runtime.cdiv(M * K, _AMAX_TILE), _AMAX_PROGRAMS_PER_SM * runtime.num_sms(device.index or 0))
+            _launch_amax((programs,), rows, amax, M * K, TILE=_AMAX_TILE, num_warps=4)
         else:
-            amax = torch.zeros((), device=device)
-        tensor_scale = torch.where(amax > 0, amax / NVFP4_TENSOR_DIV, torch.ones_like(amax)).reshape(1)
+            tensor_scale = torch.ones(1, device=device)
     if M and K:
-        # Elements a program (4 warps): mxfp8 2048, 1738 GB/s against 1630 at 4096; the fp4
-        # formats 4096 (scripts/sweep_quantize.py, H100).
-        blocks = max(1, min(runtime.next_power_of_2(K // vec), (2048 if fmt == "mxfp8" else 4096) // vec))
-        _launch_quantize((M, runtime.cdiv(K // vec, blocks)), rows, data, scales,
-                         tensor_scale if tensor_scale is not None else scales, K, rows.stride(0),
-                         FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, num_warps=4)
+        elements, warps = QUANTIZE_LAUNCH[fmt]
+        blocks = elements // vec
+        _launch_quantize((runtime.cdiv(M * K // vec, blocks),), rows, data, scales,
+                         scales if amax is None else amax, scales if amax is None else tensor_scale, M * K // vec,
+                         FMT=fmt, VEC=vec, EMAX=FORMATS[fmt][2] or 0, BLOCKS=blocks, num_warps=warps)
     return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)
 
 
@@ -417,7 +572,8 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTe
         scales = (amax.float() / 6.0 / s).to(torch.float8_e4m3fn)
         # The recipe's arithmetic is float32: x / (block scale * tensor scale), correctly rounded.
         denom = scales.float() * s
-        scaled = torch.where(denom[..., None] > 0, blocks.float() / denom[..., None].clamp(min=1e-38), 0.0).double()
+        safe = torch.where(denom > 0, denom, 1.0)[..., None]
+        scaled = torch.where(denom[..., None] > 0, blocks.float() / safe, 0.0).double()
     else:
         finite = torch.isfinite(amax) & ~blocks.isnan().any(-1)
         safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
