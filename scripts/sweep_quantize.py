@@ -1,6 +1,6 @@
 """quant.quantize at the issue's size (16384 x 8192 bf16), per format: GB/s counting the bf16 read
 once (as issue 5's target does), and the DRAM rate the bytes it moves imply (nvfp4's amax pass
-reads x a second time). With --sweep, every launch shape of the quantize kernel (elements a
+reads x a second time; it is also timed with its tensor amax given, one read). With --sweep, every launch shape of the quantize kernel (elements a
 program x warps) too. Each format is first checked bit for bit against quantize_reference on 256
 rows.
 
@@ -50,6 +50,10 @@ def main() -> None:
         gbps, dram, _ = results[0]
         print(f"{fmt}: {gbps:.0f} GB/s (bf16 read), {dram:.0f} GB/s moved, at {default[0]} elements a program, "
               f"{default[1]} warps", flush=True)
+        if fmt == "nvfp4":
+            amax = x.float().abs().amax()
+            ms = do_bench(lambda: quant.quantize(x, fmt, tensor_amax=amax), warmup=25, rep=200)
+            print(f"nvfp4, tensor amax given: {x.nbytes / ms / 1e6:.0f} GB/s (one read)", flush=True)
         if a.sweep:
             results.sort(key=lambda r: -r[0])
             print("    best: " + ", ".join(f"{g:.0f} ({e}, w{w})" for g, _, (e, w) in results[:5])

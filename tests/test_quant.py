@@ -220,6 +220,24 @@ def test_nvfp4_tensor_amax_anywhere(device):
         _assert_same(quant.quantize(x, "nvfp4"), quant.quantize_reference(x, "nvfp4"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_given_tensor_amax(dtype, device):
+    # A calibrated amax above, at and below x's own (below: blocks saturate at scale 448 and
+    # elements at 6), as a float or a tensor; one element near float16's top (or float32's, where
+    # a naive quotient by a small divisor overflows), both signs.
+    x = torch.randn(6, 64, device=device) * torch.logspace(-3, 3, 6, device=device)[:, None]
+    x[5, 7] = -6e4 if dtype == torch.float16 else -3e38
+    x = x.to(dtype)
+    own = x.float().abs().amax()
+    for amax in (min(own.item() * 4, 3e38), own, own.item() * 1e-3, 1e-20, 0.0):
+        q = quant.quantize(x, "nvfp4", tensor_amax=amax)
+        ref = quant.quantize_reference(x, "nvfp4", tensor_amax=amax)
+        _assert_same(q, ref)
+    assert (quant.quantize(x, "nvfp4", tensor_amax=1e-20).data[5, 3] >> 4) == 15  # -6, saturated
+    same = quant.quantize(x, "nvfp4", tensor_amax=own)
+    _assert_same(same, quant.quantize(x, "nvfp4"))
+
+
 def test_blocked_layout_round_trip_and_index_map(device):
     rows, cols = 300, 10
     scales = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, device=device)
@@ -237,6 +255,11 @@ def test_blocked_layout_round_trip_and_index_map(device):
     (lambda d: quant.quantize(torch.randn(4, 24, device=d), "nvfp4"), ValueError, "not a multiple of 16"),
     (lambda d: quant.quantize(torch.randn(4, 32, device=d), "fp4"), ValueError, "fmt must be one of mxfp8"),
     (lambda d: quant.quantize(torch.ones(4, 32, dtype=torch.int32, device=d), "mxfp8"), TypeError, "x"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "mxfp4", tensor_amax=1.0), ValueError, "nvfp4's"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "nvfp4", tensor_amax=float("inf")), ValueError,
+     "finite"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "nvfp4", tensor_amax=torch.ones(2, device=d)),
+     ValueError, "one-element"),
 ])
 def test_bad_input_is_named(bad, error, match, device):
     with pytest.raises(error, match=match):

@@ -37,7 +37,8 @@ The quantize kernel rounds to e2m1 with one float32 addition of a magic number (
 `_e2m1_code`), to e4m3 on the GPU with its conversion instruction (cvt.rn.satfinite, nearest even);
 Triton 3.6's interpreter rounds fp8 conversions half up, so there it rounds to e4m3 with float32
 arithmetic and converts only exact values. nvfp4 reads x twice: a first kernel takes the tensor's
-amax, which every block scale needs.
+amax, which every block scale needs; given `tensor_amax` (calibrated, or a step behind), it
+reads x once, and a block scale that would pass 448 saturates there.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _FLOAT32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # nvfp4 divides by reciprocals, without flushing subnormals, from this tensor scale up: see
 # _nvfp4_fast.
-_NVFP4_FAST_SCALE = tl.constexpr(float("inf"))
+_NVFP4_FAST_SCALE = tl.constexpr(2.0**-80)
 _NVFP4_TENSOR_DIV = tl.constexpr(NVFP4_TENSOR_DIV)
 
 
@@ -200,9 +201,11 @@ def _mxfp4_code(x, exp):
 
 
 @triton.jit
-def _nvfp4_code(q):
-    """q's code, the sign in bit 3; |q| <= 0.25 rounds to +0."""
-    return _e2m1_code(tl.minimum(tl.abs(q), 6.0), 0) | tl.where(q < -0.25, 8, 0)
+def _nvfp4_code(q, x):
+    """The code of element x whose quotient by its block's divisor is q or -q; |q| <= 0.25 rounds
+    to +0."""
+    a = tl.minimum(tl.abs(q), 6.0)
+    return _e2m1_code(a, 0) | tl.where((x < 0) & (a > 0.25), 8, 0)
 
 
 @triton.jit
@@ -236,11 +239,18 @@ def _nvfp4_fast(lo, hi, amax, s):
     s >= _NVFP4_FAST_SCALE. Then d, a block scale (at least 2^-9) times s, is at least 2^-89 or 0:
     the quotient of a subnormal element is under 2^-37 and its code 0, flushed or not; and no
     residual underflows where it matters: amax / 6 and / s decide a scale only from a quotient of
-    2^-11 up, an element's quotient decides a code from 0.25 up."""
+    2^-11 up, an element's quotient decides a code from 0.25 up. The quotients are of magnitudes
+    clamped where the code or the scale saturates anyway (amax at 4096 s, |x| at 8 d), so that no
+    product overflows when a given tensor amax is below the blocks'. They are magnitudes: see
+    _nvfp4_code."""
+    amax = tl.minimum(amax, 4096.0 * s)
     scale = _to_e4m3(_div_by_reciprocal(_div_by_reciprocal(amax, 6.0, 1.0 / 6.0), s, tl.math.div_rn(1.0, s)))
     d = scale.to(tl.float32) * s
     r = tl.where(d > 0, tl.math.div_rn(1.0, d), 0.0)[:, None]
-    return scale, _div_by_reciprocal(lo, d[:, None], r), _div_by_reciprocal(hi, d[:, None], r)
+    top = 8.0 * d[:, None]
+    q_lo = _div_by_reciprocal(tl.minimum(tl.abs(lo), top), d[:, None], r)
+    q_hi = _div_by_reciprocal(tl.minimum(tl.abs(hi), top), d[:, None], r)
+    return scale, q_lo, q_hi
 
 
 @triton.jit
@@ -253,7 +263,7 @@ def _nvfp4_quantize(lo, hi, amax, s):
             scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
     else:
         scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
-    return scale, _nvfp4_code(q_lo), _nvfp4_code(q_hi)
+    return scale, _nvfp4_code(q_lo, lo), _nvfp4_code(q_hi, hi)
 
 
 @triton.jit
@@ -475,10 +485,24 @@ _AMAX_TILE = 4096
 _AMAX_PROGRAMS_PER_SM = 8  # 64 KiB of loads in flight an SM
 
 
-def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
+def quantize(x: torch.Tensor, fmt: str, axis: int = -1,
+             tensor_amax: float | torch.Tensor | None = None) -> QuantizedTensor:
     """Block-scale x (float32, float16 or bfloat16) along `axis`, whose size must be a multiple
-    of the format's block (32, or 16 for nvfp4)."""
+    of the format's block (32, or 16 for nvfp4).
+
+    nvfp4 only: `tensor_amax` (a float, or a one-element tensor on x's device) is the amax its
+    tensor scale is made from: a calibrated one, or an earlier step's (delayed scaling). Then x is
+    read once instead of twice; blocks above it saturate. None takes x's own amax."""
     _check_format(fmt)
+    if tensor_amax is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"tensor_amax is nvfp4's; {fmt} has no tensor scale")
+        if isinstance(tensor_amax, torch.Tensor):
+            if tensor_amax.numel() != 1 or tensor_amax.device != x.device or not tensor_amax.is_floating_point():
+                raise ValueError("tensor_amax must be a float or a one-element floating tensor on x's device, "
+                                 f"got {tuple(tensor_amax.shape)} {tensor_amax.dtype} on {tensor_amax.device}")
+        elif not 0 <= tensor_amax <= torch.finfo(torch.float32).max:
+            raise ValueError(f"tensor_amax must be a finite float32 >= 0, got {tensor_amax}")
     runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
     axis = axis % x.dim()
     vec = FORMATS[fmt][0]
@@ -497,9 +521,15 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
     if fmt == "nvfp4":
         if M and K:
             # The quantize kernel computes the tensor scale from the amax.
-            amax, tensor_scale = torch.zeros(1, device=device), runtime.empty((1,), torch.float32, device)
-            programs = min(runtime.cdiv(M * K, _AMAX_TILE), _AMAX_PROGRAMS_PER_SM * runtime.num_sms(device.index or 0))
-            _launch_amax((programs,), rows, amax, M * K, TILE=_AMAX_TILE, num_warps=4)
+            tensor_scale = runtime.empty((1,), torch.float32, device)
+            if tensor_amax is None:
+                amax = torch.zeros(1, device=device)
+                programs = min(runtime.cdiv(M * K, _AMAX_TILE), _AMAX_PROGRAMS_PER_SM * runtime.num_sms(device.index or 0))
+                _launch_amax((programs,), rows, amax, M * K, TILE=_AMAX_TILE, num_warps=4)
+            elif isinstance(tensor_amax, torch.Tensor):
+                amax = tensor_amax.reshape(1).float()
+            else:
+                amax = torch.full((1,), tensor_amax, device=device)
         else:
             tensor_scale = torch.ones(1, device=device)
     if M and K:
@@ -554,7 +584,8 @@ def _e2m1_code_reference(y: torch.Tensor) -> torch.Tensor:
     return torch.where(tie & (code % 2 == 1), upper, code)
 
 
-def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTensor:
+def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1,
+                       tensor_amax: float | torch.Tensor | None = None) -> QuantizedTensor:
     """quantize in plain PyTorch (float64 arithmetic, torch's own e4m3 rounding)."""
     _check_format(fmt)
     axis = axis % x.dim()
@@ -566,10 +597,19 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTe
     amax = blocks.abs().amax(-1)
     tensor_scale = None
     if fmt == "nvfp4":
-        t_amax = rows.abs().amax() if rows.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
-        s = torch.where(t_amax > 0, t_amax.float() / NVFP4_TENSOR_DIV, torch.ones((), device=x.device))
+        if tensor_amax is not None:
+            t_amax = torch.as_tensor(tensor_amax, dtype=torch.float64, device=x.device).reshape(())
+        elif rows.numel():
+            t_amax = rows.abs().amax()
+        else:
+            t_amax = torch.zeros((), dtype=torch.float64, device=x.device)
+        # Divisors as tensors: CUDA torch divides by a Python number as a multiply by its
+        # reciprocal, which is not the correctly rounded quotient the recipe asks for.
+        div, six = (torch.tensor(v, device=x.device) for v in (NVFP4_TENSOR_DIV, 6.0))
+        s = torch.where(t_amax >= 2.0**-126, t_amax.float() / div, torch.ones((), device=x.device))
         tensor_scale = s.reshape(1)
-        scales = (amax.float() / 6.0 / s).to(torch.float8_e4m3fn)
+        # Saturated: a given tensor_amax may be below a block's amax.
+        scales = (amax.float() / six / s).clamp(max=448.0).to(torch.float8_e4m3fn)
         # The recipe's arithmetic is float32: x / (block scale * tensor scale), correctly rounded.
         denom = scales.float() * s
         safe = torch.where(denom > 0, denom, 1.0)[..., None]
@@ -586,7 +626,7 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1) -> QuantizedTe
         magnitude = scaled.abs().clamp(max=elem_max).float().to(torch.float8_e4m3fn).float()
         data = torch.where((blocks < 0) & (magnitude > 0), -magnitude, magnitude).to(torch.float8_e4m3fn).reshape(M, K)
     else:
-        codes = _e2m1_code_reference(scaled.abs().nan_to_num(0.0))
+        codes = _e2m1_code_reference(scaled.abs().nan_to_num(0.0).clamp(max=elem_max))
         codes = (codes | torch.where((blocks < 0) & (codes > 0), 8, 0)).reshape(M, K // 2, 2)
         data = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return QuantizedTensor(data, scales, fmt, x.shape, axis, tensor_scale)

@@ -329,13 +329,15 @@ def _bench_cases() -> list[BenchCase]:
         cases.append(BenchCase("scaled_matmul", "fwd", bf16, f"{fmt_a} x {fmt_b} {big}^3", big, setup_both,
                                flops=2 * big**3, plot="both operands block-scaled", quick=runtime.INTERPRET))
     rows, cols = (64, 256) if runtime.INTERPRET else (16384, 8192)
-    for fmt in FORMATS:
-        def setup_quantize(fmt=fmt):
+    # nvfp4 also with its tensor amax given (one read of x instead of two).
+    for fmt, given in [(fmt, False) for fmt in FORMATS] + [("nvfp4", True)]:
+        def setup_quantize(fmt=fmt, given=given):
             x = torch.randn(rows, cols, device=dev, dtype=bf16)
-            return Bench({"tritonformer": lambda: quant.quantize(x, fmt)})
-        cases.append(BenchCase("scaled_matmul", "quantize", bf16, f"quantize {fmt} {rows}x{cols}", rows,
-                               setup_quantize, bytes=2 * rows * cols, plot="quantize (bf16 read)",
-                               quick=runtime.INTERPRET))
+            amax = x.float().abs().amax() if given else None
+            return Bench({"tritonformer": lambda: quant.quantize(x, fmt, tensor_amax=amax)})
+        label = f"quantize {fmt} {rows}x{cols}" + (" given amax" if given else "")
+        cases.append(BenchCase("scaled_matmul", "quantize", bf16, label, rows, setup_quantize,
+                               bytes=2 * rows * cols, plot="quantize (bf16 read)", quick=runtime.INTERPRET))
     return cases
 
 
