@@ -4,9 +4,11 @@ a case's time goes beside its matmuls; beside it the case's time as the benchmar
 host-bound case from a GPU-bound one. With --host, also the host time of a call (the calls
 queued without waiting for the GPU) and the Python functions it goes to (cProfile, by own time).
 
-    python scripts/profile_case.py OP [--case N] [--providers tritonformer,torch.compile] [--top 15] [--host]
+    python scripts/profile_case.py OP [--case N | --match TEXT] [--providers tritonformer,torch.compile]
+                                      [--top 15] [--host]
 
-N indexes the op's bench cases in registry order (default 0).
+N indexes the op's bench cases in registry order (default 0); TEXT picks the first case whose
+"mode shape" contains it (the GPU grid differs from the interpreter's).
 """
 
 import argparse
@@ -24,13 +26,15 @@ from tritonformer.registry import OPS
 parser = argparse.ArgumentParser()
 parser.add_argument("op")
 parser.add_argument("--case", type=int, default=0)
+parser.add_argument("--match")
 parser.add_argument("--providers", default="tritonformer,torch.compile")
 parser.add_argument("--top", type=int, default=15)
 parser.add_argument("--repeats", type=int, default=5)
 parser.add_argument("--host", action="store_true")
 args = parser.parse_args()
 
-case = OPS[args.op].bench_cases()[args.case]
+cases = OPS[args.op].bench_cases()
+case = next(c for c in cases if args.match in f"{c.mode} {c.shape}") if args.match else cases[args.case]
 bench = case.setup()
 print(f"{case.op} {case.mode} {case.shape}")
 for name in args.providers.split(","):

@@ -157,6 +157,9 @@ def test_tensor_descriptor_loads_equal_pointer_loads(D, device, monkeypatch):
     # Twice: the first call tunes, the second replays the chosen config.
     with_descriptors = [_grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do) for _ in range(2)]
     monkeypatch.setattr(attn, "_descriptors_fit", lambda *a: False)
+    # Fresh plan tables: the calls above planned descriptor launches for this signature.
+    monkeypatch.setattr(attn, "_fwd_plans", attn.runtime.PlanTable())
+    monkeypatch.setattr(attn, "_bwd_plans", attn.runtime.PlanTable())
     pointers = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
     for run in with_descriptors:
         for a, b in zip(run, pointers):
@@ -164,6 +167,35 @@ def test_tensor_descriptor_loads_equal_pointer_loads(D, device, monkeypatch):
                 assert torch.equal(a, b)
             else:
                 assert_close(a, b, torch.bfloat16)
+
+
+@pytest.mark.parametrize("D,varlen", [(64, False), (128, False), (32, True)])
+def test_replayed_launches_see_each_calls_data(D, varlen, device):
+    """The first calls of a signature tune and plan, later ones replay the plan with the new
+    call's tensors (and descriptors rebased onto them): four calls on fresh data, each checked
+    against the reference, outputs and gradients (the lse's too), and the replays were taken."""
+    from tritonformer.ops import attention as attn
+    for _ in range(4):
+        if varlen:
+            (q, k, v), kw = _packed(device, [5, 1, 2], [7, 3, 9], D=D, dtype=torch.bfloat16)
+            do = torch.randn_like(q)
+        else:
+            q, k, v = _qkv(device, H=4, H_kv=2, S_q=33, S_k=40, D=D, dtype=torch.bfloat16)
+            kw, do = {}, torch.randn_like(q)
+        o, lse = tf.attention(q, k, v, causal=True, return_lse=True, **kw)
+        dlse = torch.randn_like(lse)
+        grads = torch.autograd.grad((o, lse), (q, k, v), (do, dlse))
+        leaves = _double_leaves(q, k, v)
+        ref_o, ref_lse = attention_reference(*leaves, causal=True, return_lse=True, **kw)
+        ref_grads = torch.autograd.grad((ref_o, ref_lse), leaves, (do.double(), dlse.double()))
+        assert_close(o, ref_o, torch.bfloat16, "norm")
+        assert_close(lse, ref_lse, torch.bfloat16, "norm")
+        for got, want in zip(grads, ref_grads):
+            assert_close(got, want, torch.bfloat16, "norm")
+    key = attn._plan_key(q, k, v, True, 1 / math.sqrt(D), attn.NO_WINDOW, kw.get("cu_seqlens_q"),
+                         kw.get("cu_seqlens_k"), kw.get("max_seqlen_q", 0), kw.get("max_seqlen_k", 0))
+    assert key in attn._fwd_plans
+    assert any(plan_key[0] == key for plan_key in attn._bwd_plans)
 
 
 def test_no_grad_returns_a_tensor_and_lse_on_request(device):
@@ -486,9 +518,14 @@ def test_every_gpu_config_matches_the_reference(kernel, D, device):
     try:
         for config in kept:
             launcher.chosen = _AlwaysChosen(config.all_kwargs())
+            # A call of a signature seen before replays its planned launches, of another config.
+            attention_op._fwd_plans.clear()
+            attention_op._bwd_plans.clear()
             o = tf.attention(q, k, v, causal=True, window=200)
             grads = torch.autograd.grad(o, (q, k, v), do)
             for got, want in zip((o, *grads), (ref, *ref_grads)):
                 assert_close(got, want, torch.bfloat16, compare="norm")
     finally:
         launcher.chosen = saved
+        attention_op._fwd_plans.clear()
+        attention_op._bwd_plans.clear()

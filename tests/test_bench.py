@@ -94,6 +94,29 @@ def test_failing_peer_is_recorded_and_the_run_goes_on(monkeypatch):
     assert "fake" in summary_table(rows)
 
 
+def test_timing_waits_for_background_compiles(monkeypatch):
+    # A compile the first call started in the background (here a job that takes a while) has
+    # finished before the timing starts, for every provider.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool, release, timed_after = ThreadPoolExecutor(1), threading.Event(), []
+
+    def ours(x):
+        runtime._in_background(pool, release.wait, 5.0)
+        return x + 1
+
+    def timing(thunk, first_call_ms):
+        timed_after.append(release.is_set())
+        return 1.0
+
+    monkeypatch.setattr(runner, "_time_ms", timing)
+    monkeypatch.setattr(registry, "OPS", {"fake": _fake_spec("fake", {"tritonformer": ours, "torch": lambda x: x + 1})})
+    threading.Timer(0.2, release.set).start()
+    runner.run(["fake"], quick=True, progress=False)
+    assert timed_after and all(timed_after)
+
+
 def test_wrong_result_fails_the_check_and_the_bench(monkeypatch, tmp_path, capsys):
     spec = _fake_spec("wrong", {"tritonformer": lambda x: x + 2, "torch": lambda x: x + 1})
     monkeypatch.setattr(registry, "OPS", {"wrong": spec})

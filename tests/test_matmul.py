@@ -116,7 +116,7 @@ def test_specialization_class_matches_triton():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from tritonformer.runtime import specialization_class
+    from tritonformer.runtime import _specialization_key, specialization_class
 
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -128,6 +128,8 @@ def test_specialization_class_matches_triton():
     for x in values:
         for y in values:
             same_class = type(x) is type(y) and specialization_class(x) == specialization_class(y)
+            # FastLaunch's key classes a whole argument list at once, the same way.
+            assert (_specialization_key((x,)) == _specialization_key((y,))) == same_class, (x, y)
             same_triton = type(x) is type(y) and (
                 native_specialize_impl(BaseBackend, x, False, True, True)
                 == native_specialize_impl(BaseBackend, y, False, True, True))

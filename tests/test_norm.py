@@ -11,6 +11,14 @@ from conftest import ON_GPU
 from helpers import compile_fullgraph, foreign_device_tensor
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans(monkeypatch):
+    """Each test plans its own launches: tests that force a kernel variant (monkeypatched
+    thresholds) must not replay another test's plan of the same signature."""
+    monkeypatch.setattr(norm, "_fwd_plans", runtime.PlanTable())
+    monkeypatch.setattr(norm, "_bwd_plans", runtime.PlanTable())
+
+
 def _llama_rms_norm(x, weight, eps):
     # HuggingFace's LlamaRMSNorm.forward, verbatim in meaning.
     hidden = x.to(torch.float32)
@@ -206,6 +214,38 @@ def _layer_norm_grads_vs_float64(x, w, b, dy, dtype):
         assert g.dtype == dtype
         assert_close(g, e, dtype, "norm")
     return grads
+
+
+@pytest.mark.parametrize("rms,params", [(True, "weight"), (True, "none"), (False, "weight+bias"),
+                                         (False, "weight"), (False, "bias"), (False, "none")])
+def test_replayed_launches_see_each_calls_data(device, rms, params):
+    """A signature's first call plans the in-register kernels' launches, later calls replay them
+    with their own tensors: three calls on fresh data against float64, the replays taken; a
+    transposed x (its rows copied) plans nothing and is still right."""
+    M, N, dtype = 37, 101, torch.bfloat16
+    for transposed in (False, False, False, True):
+        x = (torch.randn(N, M, device=device).t() if transposed else torch.randn(M, N, device=device))
+        x = (x * 2 + 3).to(dtype).requires_grad_(True)
+        w = (1 + 0.5 * torch.randn(N, device=device)).to(dtype).requires_grad_(True) if "weight" in params else None
+        b = torch.randn(N, device=device).to(dtype).requires_grad_(True) if "bias" in params and not rms else None
+        dy = torch.randn(M, N, device=device).to(dtype)
+        if rms:
+            y = tritonformer.rms_norm(x, w)
+            leaves = [t.detach().double().requires_grad_(True) for t in (x, w) if t is not None]
+            expected_y = norm.rms_norm_reference(*leaves)
+        else:
+            y = tritonformer.layer_norm(x, w, b)
+            leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b) if t is not None]
+            lw = leaves[1] if w is not None else None
+            lb = leaves[-1] if b is not None else None
+            expected_y = torch.nn.functional.layer_norm(leaves[0], (N,), lw, lb)
+        params_ = [t for t in (x, w, b) if t is not None]
+        grads = torch.autograd.grad(y, params_, dy)
+        expected = torch.autograd.grad(expected_y, leaves, dy.double())
+        assert_close(y, expected_y, dtype, "norm")
+        for g, e in zip(grads, expected):
+            assert_close(g, e, dtype, "norm")
+    assert len(norm._fwd_plans) == 1 and len(norm._bwd_plans) == (1 if params != "none" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -258,6 +258,7 @@ def _time_providers(bench: Bench, tolerance: object, compare: str) -> tuple[dict
             if provider == OURS:
                 check = _check(result, bench.reference, tolerance, compare)
             del result
+            runtime.wait_for_background_work()
             timings[provider] = _time_ms(thunk, first_call_ms)
             memory[provider] = _memory_gib(thunk)
         except Exception as exc:
