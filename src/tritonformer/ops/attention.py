@@ -762,6 +762,13 @@ def _plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_se
             k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, window, cu, torch.backends.cuda.matmul.allow_tf32)
 
 
+def _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple, tuple]:
+    """The dQ and dK/dV kernels' tensor arguments, in their order; without a gradient of lse, the
+    dQ kernel reads the delta buffer in its place (HAS_DLSE off)."""
+    return ((q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k),
+            (q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k))
+
+
 # Replays of planned launches by _plan_key (backward: and dO's and dlse's layout): a call's host
 # path shrinks to the allocations and the launches (see attention_fwd).
 _fwd_plans = runtime.PlanTable()
@@ -838,15 +845,16 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if o.numel() == 0 or lay.S_q == 0:
         lse.fill_(-math.inf)
         return o, lse
-    args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *lay.strides(q), *lay.strides(k), *lay.strides(v),
-            *lay.strides(o)[:3], *lay.lse_strides(lse), lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
+    scalars = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(o)[:3], *lay.lse_strides(lse),
+               lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
+    args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars)
     kv_shape = (lay.B, lay.H_kv, lay.S_k, lay.D)
     replay = _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
                      lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,), args,
                      _constexprs(q, causal, window, lay.varlen),
                      ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "fwd", k, v) else None)
     if replay is not None:
-        _fwd_plans.put(plan_key, (lay.lse_shape, args[7:], replay))
+        _fwd_plans.put(plan_key, (lay.lse_shape, scalars, replay))
     return o, lse
 
 
@@ -873,9 +881,10 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
         dq_scalars, dq_replay, dkdv_scalars, dkdv_replay = plan
         dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
         delta = runtime.empty(lse.shape, torch.float32, q.device)
-        dq_replay((q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
-                   *dq_scalars))
-        dkdv_replay((q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *dkdv_scalars))
+        dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q,
+                                                cu_seqlens_k)
+        dq_replay((*dq_tensors, *dq_scalars))
+        dkdv_replay((*dkdv_tensors, *dkdv_scalars))
         return dq, dk, dv
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
@@ -891,20 +900,21 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
     lse_strides = lay.lse_strides(lse)
     q_shape, kv_shape = (lay.B, lay.H, lay.S_q, lay.D), (lay.B, lay.H_kv, lay.S_k, lay.D)
+    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
     # dQ first: it writes the delta that the dK/dV kernel reads.
-    dq_args = (q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k,
-               *strides, *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars)
+    dq_scalars = (*strides, *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars)
+    dq_args = (*dq_tensors, *dq_scalars)
     dq_replay = _launch(_launch_dq, key, lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
                         dq_args, dict(consts, HAS_DLSE=dlse is not None),
                         ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "dq", k, v) else None)
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides, *lay.strides(dk)[:3],
-                 *lse_strides, *scalars)
+    dkdv_scalars = (*strides, *lay.strides(dk)[:3], *lse_strides, *scalars)
+    dkdv_args = (*dkdv_tensors, *dkdv_scalars)
     dkdv_replay = _launch(_launch_dkdv, key,
                           lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,), dkdv_args,
                           consts,
                           ((0, 3), (q_shape, q_shape), "BLOCK_M") if _descriptors_fit(lay, "dkdv", q, do) else None)
     if dq_replay is not None and dkdv_replay is not None:
-        _bwd_plans.put(plan_key, (dq_args[11:], dq_replay, dkdv_args[10:], dkdv_replay))
+        _bwd_plans.put(plan_key, (dq_scalars, dq_replay, dkdv_scalars, dkdv_replay))
     return dq, dk, dv
 
 
