@@ -194,11 +194,16 @@ def _split_backward(monkeypatch, **cfg):
     monkeypatch.setattr(norm, "LAYER_NORM_SPLIT", dict(SMALL_SPLIT, **cfg))
     grids, launch = [], norm._launch_ln_cols
 
-    def recording(grid, *args, **kwargs):
-        grids.append(grid)
-        return launch(grid, *args, **kwargs)
+    class Recording:
+        def __call__(self, grid, *args, **kwargs):
+            grids.append(grid)
+            return launch(grid, *args, **kwargs)
 
-    monkeypatch.setattr(norm, "_launch_ln_cols", recording)
+        def replay(self, entry, grid, *args):
+            grids.append(grid)
+            launch.replay(entry, grid, *args)
+
+    monkeypatch.setattr(norm, "_launch_ln_cols", Recording())
     return grids
 
 
@@ -216,13 +221,17 @@ def _layer_norm_grads_vs_float64(x, w, b, dy, dtype):
     return grads
 
 
-@pytest.mark.parametrize("rms,params", [(True, "weight"), (True, "none"), (False, "weight+bias"),
-                                         (False, "weight"), (False, "bias"), (False, "none")])
-def test_replayed_launches_see_each_calls_data(device, rms, params):
-    """A signature's first call plans the in-register kernels' launches, later calls replay them
-    with their own tensors: three calls on fresh data against float64, the replays taken; a
-    transposed x (its rows copied) plans nothing and is still right."""
+@pytest.mark.parametrize("rms,params,split", [(True, "weight", False), (True, "none", False),
+                                               (False, "weight+bias", False), (False, "weight", False),
+                                               (False, "bias", False), (False, "none", False),
+                                               (False, "weight+bias", True), (False, "bias", True)])
+def test_replayed_launches_see_each_calls_data(device, monkeypatch, rms, params, split):
+    """A signature's first call plans the in-register kernels' launches (or LayerNorm's split
+    backward), later calls replay them with their own tensors: three calls on fresh data against
+    float64, the replays taken; a transposed x (its rows copied) plans nothing and is still right."""
     M, N, dtype = 37, 101, torch.bfloat16
+    if split:
+        monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
     for transposed in (False, False, False, True):
         x = (torch.randn(N, M, device=device).t() if transposed else torch.randn(M, N, device=device))
         x = (x * 2 + 3).to(dtype).requires_grad_(True)
@@ -245,7 +254,8 @@ def test_replayed_launches_see_each_calls_data(device, rms, params):
         assert_close(y, expected_y, dtype, "norm")
         for g, e in zip(grads, expected):
             assert_close(g, e, dtype, "norm")
-    assert len(norm._fwd_plans) == 1 and len(norm._bwd_plans) == (1 if params != "none" else 0)
+    # The in-register backward of no parameters has no partial rows to plan.
+    assert len(norm._fwd_plans) == 1 and len(norm._bwd_plans) == (1 if params != "none" or split else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,6 +20,9 @@ columns, which splits rows over column blocks after a kernel of row means (LAYER
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -445,6 +448,13 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
              offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, stats): stats holds rstd per row, then (layer_norm) the mean per row, in one buffer:
     one allocation less on a host path where each costs microseconds."""
+    y, stats, _ = _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+    return y, stats
+
+
+def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """norm_fwd, plus the call's plan key, which also keys the backward of this forward (see
+    _norm_bwd: x, weight, bias and stats come back to it unchanged)."""
     plan_key = (_tensor_key(x), _tensor_key(weight), _tensor_key(bias), eps, offset, rms, out_dtype)
     plan = _fwd_plans.get(plan_key)
     if plan is not None and not runtime.compiling_ahead():
@@ -452,14 +462,14 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         y = runtime.empty(x.shape, out_dtype, x.device)
         stats = runtime.empty((stats_len,), torch.float32, x.device)
         _launch_fwd.replay(entry, grid, x, x, x, _or(weight, x), _or(bias, x), y, stats, *scalars)
-        return y, stats
+        return y, stats, plan_key
     N = x.shape[-1]
     x_rows = runtime.rows_view(x, N)
     M = x_rows.shape[0]
     y = runtime.empty(x.shape, out_dtype, x.device)
     stats = runtime.empty((M if rms else 2 * M,), torch.float32, x.device)
     if x.numel() == 0:
-        return y, stats
+        return y, stats, plan_key
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
@@ -469,7 +479,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     else:
         _launch_fwd_looped((M,), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N, float(eps), float(offset),
                            **flags, CHUNK=LOOP_CHUNK, num_warps=8)
-    return y, stats
+    return y, stats, plan_key
 
 
 def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -> tuple:
@@ -505,24 +515,32 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
              dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, sums): sums holds dw then db (those that exist) as float32 rows. dres, when given, is
     added into dx (rows up to FUSED_MAX_N)."""
-    plan_key = (_tensor_key(dy), _tensor_key(x), _tensor_key(weight), _tensor_key(bias), _tensor_key(stats),
-                _tensor_key(dres), offset, rms)
-    plan = _bwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
-        parts_shape, entry, grid, scalars = plan
-        dx = runtime.empty(x.shape, x.dtype, x.device)
-        parts = runtime.empty(parts_shape, torch.float32, x.device)
-        _launch_bwd.replay(entry, grid, x, _or(weight, x), dy, _or(dres, dy), dx, stats, parts[0],
-                           parts[parts_shape[0] - 1], *scalars)
-        return dx, parts.sum(1)
+    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres)
+
+
+def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_bwd; fwd_key, the plan key _norm_fwd gave the forward that made x, weight, bias and
+    stats, stands for their part of this call's key (five tensor keys less on the host path)."""
+    if fwd_key is None:
+        plan_key = (_tensor_key(dy), _tensor_key(x), _tensor_key(weight), _tensor_key(bias), _tensor_key(stats),
+                    _tensor_key(dres), offset, rms)
+    else:
+        plan_key = (fwd_key, _tensor_key(dy), _tensor_key(dres))
+    replay = _bwd_plans.get(plan_key)
+    if replay is not None and not runtime.compiling_ahead():
+        return replay(dy, x, weight, bias, stats, dres)
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
     dres_rows = None if dres is None else runtime.rows_view(dres, N)
+    # A replay passes the caller's tensors: only calls whose row views are views plan.
+    views = all(r is None or r.data_ptr() == t.data_ptr() for r, t in ((x_rows, x), (dy_rows, dy), (dres_rows, dres)))
     M = x_rows.shape[0]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
     if looped and not rms and dres is None and LAYER_NORM_WIDE_BWD == "split":
-        sums = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
+        sums, replay = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
+        if replay is not None and views:
+            _bwd_plans.put(plan_key, replay)
         return dx, sums
     block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
     programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
@@ -545,45 +563,75 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
             entry = _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats,
                                 dw_part, db_part, *scalars, **flags, HAS_DRES=dres_rows is not None,
                                 BLOCK_M=block_m, BLOCK_N=block_n, RELOAD_W=rms, num_warps=num_warps)
-            views = all(r is None or r.data_ptr() == t.data_ptr()
-                        for r, t in ((x_rows, x), (dy_rows, dy), (dres_rows, dres)))
-            if entry is not None and n_params and views:  # a replay passes the caller's tensors and parts' rows
-                _bwd_plans.put(plan_key, (parts.shape, entry, (programs,), scalars))
+            if entry is not None and n_params and views:
+                _bwd_plans.put(plan_key, functools.partial(_replay_bwd_in_registers, parts.shape, entry, scalars))
     return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
 
 
-def _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset) -> torch.Tensor:
-    """LayerNorm's column-split backward (see LAYER_NORM_WIDE_BWD): writes dx, returns the dw
-    and db sums (those that exist) as float32 rows."""
+def _replay_bwd_in_registers(parts_shape, entry, scalars, dy, x, weight, bias, stats, dres):
+    """The in-register backward, planned: (dx, sums) as _norm_bwd returns them."""
+    dx = runtime.empty(x.shape, x.dtype, x.device)
+    parts = runtime.empty(parts_shape, torch.float32, x.device)
+    _launch_bwd.replay(entry, (parts_shape[1],), x, _or(weight, x), dy, _or(dres, dy), dx, stats, parts[0],
+                       parts[parts_shape[0] - 1], *scalars)
+    return dx, parts.sum(1)
+
+
+def _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset) -> tuple[torch.Tensor, Callable | None]:
+    """LayerNorm's column-split backward (see LAYER_NORM_WIDE_BWD): writes dx; returns the dw and
+    db sums (those that exist) as float32 rows, and the call planned for replay on tensors of
+    its signature (None when nothing was launched)."""
     M, N = x_rows.shape
-    device = x_rows.device
     n_params = (weight is not None) + (bias is not None)
-    sums = runtime.empty((n_params, N), torch.float32, device)
     if M == 0 or N == 0:
-        return sums.zero_()
+        return torch.zeros((n_params, N), dtype=torch.float32, device=x_rows.device), None
     cfg = LAYER_NORM_SPLIT
-    w = _or(weight, x_rows)
-    coef = runtime.empty((2 * M,), torch.float32, device)
-    coef_rows = cfg["coef_rows"]
-    _launch_ln_coef((runtime.cdiv(M, coef_rows),), x_rows, w, dy_rows, stats, coef, M, N, x_rows.stride(0),
-                    dy_rows.stride(0), float(offset), HAS_W=weight is not None, BLOCK_M=coef_rows,
-                    CHUNK=min(cfg["coef_chunk"], runtime.next_power_of_2(N)), STAGES=cfg["coef_stages"],
-                    num_warps=cfg["coef_warps"])
     block_m, block_n = cfg["block_m"], min(cfg["block_n"], runtime.next_power_of_2(N))
     # Rows a program: a multiple of block_m, and few enough groups for the grid's second axis.
     rows = block_m * runtime.cdiv(max(cfg["rows"], runtime.cdiv(M, 65535)), block_m)
     groups, blocks = runtime.cdiv(M, rows), runtime.cdiv(N, block_n)
+    sums, coef, params = _split_buffers(x_rows, M, N, n_params, groups, blocks)
+    w = _or(weight, x_rows)
+    coef_grid = (runtime.cdiv(M, cfg["coef_rows"]),)
+    coef_scalars = (M, N, x_rows.stride(0), dy_rows.stride(0), float(offset))
+    coef_entry = _launch_ln_coef(coef_grid, x_rows, w, dy_rows, stats, coef, *coef_scalars, HAS_W=weight is not None,
+                                 BLOCK_M=cfg["coef_rows"], CHUNK=min(cfg["coef_chunk"], runtime.next_power_of_2(N)),
+                                 STAGES=cfg["coef_stages"], num_warps=cfg["coef_warps"])
+    cols_scalars = (M, N, rows, x_rows.stride(0), dy_rows.stride(0), N, float(offset))
+    cols_entry = _launch_ln_cols((blocks, groups), x_rows, w, dy_rows, dx, stats, coef, *params, *cols_scalars,
+                                 HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 GROUPED=groups > 1, REVERSE=cfg["reverse"], STAGES=cfg["stages"],
+                                 num_warps=cfg["warps"])
+    if coef_entry is None or cols_entry is None:
+        return sums, None
+    return sums, functools.partial(_replay_ln_split, n_params, groups, blocks, coef_entry, coef_grid, coef_scalars,
+                                   cols_entry, cols_scalars)
+
+
+def _split_buffers(like, M, N, n_params, groups, blocks) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The split backward's sums (n_params, N), row coefficients (2 M,), and the column kernel's
+    dw/db partial rows, dw/db sum rows and arrival counters (placeholders, never touched, for
+    parameters that are absent, and for partials and counters with one row group)."""
+    sums = runtime.empty((n_params, N), torch.float32, like.device)
+    coef = runtime.empty((2 * M,), torch.float32, like.device)
     grouped = groups > 1
-    parts = runtime.empty((n_params, groups, N), torch.float32, device) if grouped else sums
-    counters = runtime.arrival_counters(device, blocks) if grouped else coef
-    # Rows of the sums and partials (placeholders, never touched, when there are no parameters).
+    parts = runtime.empty((n_params, groups, N), torch.float32, like.device) if grouped else sums
+    counters = runtime.arrival_counters(like.device, blocks) if grouped else coef
     dw_sum, db_sum = (sums[0], sums[n_params - 1]) if n_params else (coef, coef)
     dw_part, db_part = (parts[0], parts[n_params - 1]) if n_params else (coef, coef)
-    _launch_ln_cols((blocks, groups), x_rows, w, dy_rows, dx, stats, coef, dw_part, db_part, dw_sum, db_sum,
-                    counters, M, N, rows, x_rows.stride(0), dy_rows.stride(0), N, float(offset),
-                    HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                    GROUPED=grouped, REVERSE=cfg["reverse"], STAGES=cfg["stages"], num_warps=cfg["warps"])
-    return sums
+    return sums, coef, (dw_part, db_part, dw_sum, db_sum, counters)
+
+
+def _replay_ln_split(n_params, groups, blocks, coef_entry, coef_grid, coef_scalars, cols_entry, cols_scalars,
+                     dy, x, weight, bias, stats, dres):
+    """The split backward, planned: (dx, sums) as _norm_bwd returns them."""
+    M, N = coef_scalars[0], coef_scalars[1]
+    dx = runtime.empty(x.shape, x.dtype, x.device)
+    sums, coef, params = _split_buffers(x, M, N, n_params, groups, blocks)
+    w = _or(weight, x)
+    _launch_ln_coef.replay(coef_entry, coef_grid, x, w, dy, stats, coef, *coef_scalars)
+    _launch_ln_cols.replay(cols_entry, (blocks, groups), x, w, dy, dx, stats, coef, *params, *cols_scalars)
+    return dx, sums
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -614,9 +662,14 @@ add_norm_fwd = runtime.custom_op("add_norm_fwd", fake=_fake_add_norm_fwd)(add_no
 
 
 class NormFunction(torch.autograd.Function):
+    # Eager calls go to _norm_fwd and _norm_bwd themselves, which hand the forward's plan key to
+    # the backward; torch.compile traces the registered ops.
     @staticmethod
     def forward(ctx, x, weight, bias, eps, offset, rms, out_dtype):
-        y, stats = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+        if torch.compiler.is_compiling():
+            (y, stats), ctx.fwd_key = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype), None
+        else:
+            y, stats, ctx.fwd_key = _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
         ctx.save_for_backward(x, weight, bias, stats)
         ctx.offset, ctx.rms = offset, rms
         return y
@@ -624,9 +677,17 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, stats = ctx.saved_tensors
-        dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms)
-        dw = sums[0].to(weight.dtype) if weight is not None else None
-        db = sums[-1].to(bias.dtype) if bias is not None else None
+        if ctx.fwd_key is None:
+            dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms)
+        else:
+            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, fwd_key=ctx.fwd_key)
+        if weight is None and bias is None:
+            return dx, None, None, None, None, None, None
+        if weight is not None and bias is not None and weight.dtype == bias.dtype:
+            dw, db = sums.to(weight.dtype).unbind(0)  # one cast for both: ops cost host time
+        else:
+            dw = sums[0].to(weight.dtype) if weight is not None else None
+            db = sums[-1].to(bias.dtype) if bias is not None else None
         return dx, dw, db, None, None, None, None
 
 
