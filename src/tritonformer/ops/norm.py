@@ -455,7 +455,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """norm_fwd, plus the call's plan key, which also keys the backward of this forward (see
     _norm_bwd: x, weight, bias and stats come back to it unchanged)."""
-    plan_key = (_tensor_key(x), _tensor_key(weight), _tensor_key(bias), eps, offset, rms, out_dtype)
+    # The device too: a plan's compiled kernel is loaded on one GPU.
+    plan_key = (_tensor_key(x), x.device, _tensor_key(weight), _tensor_key(bias), eps, offset, rms, out_dtype)
     plan = _fwd_plans.get(plan_key)
     if plan is not None and not runtime.compiling_ahead():
         stats_len, entry, grid, scalars = plan
@@ -522,8 +523,8 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None) 
     """norm_bwd; fwd_key, the plan key _norm_fwd gave the forward that made x, weight, bias and
     stats, stands for their part of this call's key (five tensor keys less on the host path)."""
     if fwd_key is None:
-        plan_key = (_tensor_key(dy), _tensor_key(x), _tensor_key(weight), _tensor_key(bias), _tensor_key(stats),
-                    _tensor_key(dres), offset, rms)
+        plan_key = (_tensor_key(dy), _tensor_key(x), x.device, _tensor_key(weight), _tensor_key(bias),
+                    _tensor_key(stats), _tensor_key(dres), offset, rms)
     else:
         plan_key = (fwd_key, _tensor_key(dy), _tensor_key(dres))
     replay = _bwd_plans.get(plan_key)
