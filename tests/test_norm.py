@@ -322,3 +322,17 @@ def test_layer_norm_split_backward_of_a_large_mean(device, monkeypatch):
     assert errors["split"][0] <= 2e-5  # dx
     for split, looped in zip(errors["split"], errors["looped"]):
         assert split <= 1.5 * looped + 1e-7, errors
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs in one process")
+def test_plans_are_per_device():
+    """The same layout on a second GPU plans its own launches: replaying the first GPU's compiled
+    kernel there fails with an invalid resource handle."""
+    N = 256
+    for index in (0, 1, 0, 1):
+        with torch.cuda.device(index):
+            x = torch.randn(64, N, device=f"cuda:{index}", dtype=torch.bfloat16, requires_grad=True)
+            w = (1 + 0.5 * torch.randn(N, device=x.device)).to(torch.bfloat16).requires_grad_(True)
+            b = torch.randn(N, device=x.device, dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(64, N, device=x.device, dtype=torch.bfloat16)
+            _layer_norm_grads_vs_float64(x, w, b, dy, torch.bfloat16)
