@@ -166,6 +166,18 @@ def _affine(xhat, w_ptr, b_ptr, cols, N, offset, x_dtype: tl.constexpr,
 
 
 @triton.jit
+def _bwd_tile(x_ptr, dy_ptr, stats_ptr, rows, row_ok, cols, col_ok, stride_xm, stride_dym):
+    """A backward's tile of rows by cols: x and dy in float32 (0 outside), the rows' rstd, the
+    tile's mask and the rows' 64-bit offsets (a column vector) for the stores that follow."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+    return x, dy, rstd, mask, rows64
+
+
+@triton.jit
 def _norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_xm, stride_dym, stride_drm, stride_dxm, offset,
@@ -186,11 +198,8 @@ def _norm_bwd_kernel(
     for start in range(pid * BLOCK_M, M, programs * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+        x, dy, rstd, mask, rows64 = _bwd_tile(x_ptr, dy_ptr, stats_ptr, rows, row_ok, cols, col_ok, stride_xm,
+                                              stride_dym)
         if RMS:
             xhat = x * rstd[:, None]
         else:
@@ -370,11 +379,8 @@ def _ln_bwd_cols_kernel(
     for start in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+        x, dy, rstd, mask, rows64 = _bwd_tile(x_ptr, dy_ptr, stats_ptr, rows, row_ok, cols, col_ok, stride_xm,
+                                              stride_dym)
         mean = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0)
         mean_gx = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
         mean_g = tl.load(coef_ptr + M + rows, mask=row_ok, other=0.0)
