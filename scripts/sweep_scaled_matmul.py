@@ -1,15 +1,17 @@
 """Launch shapes of scaled_matmul on the GPU: times each (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 stages) candidate of the in-register kernel, with the op's own split-K, against torch bf16 on
 the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
-M, which is where DEQUANTIZE_FIRST_MIN_M comes from.
+M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
+shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
+time alone (CUDA graphs).
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths] [substring of the case labels to run]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv] [substring of the case labels to run]
 """
 
 import sys
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from tritonformer import quant
 from tritonformer.ops import scaled_matmul as sm
@@ -54,12 +56,57 @@ def sweep_paths(only):
             print(f"{label:24s} torch bf16 {peer * 1e3:8.1f} us | {row}", flush=True)
 
 
+GEMV_SHAPES = [(64, 256, 4, 4), (64, 256, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6), (32, 256, 4, 8),
+               (128, 256, 8, 4), (64, 512, 4, 4), (64, 128, 4, 4), (64, 128, 4, 8), (32, 512, 4, 4),
+               (64, 256, 8, 4), (16, 256, 4, 8), (32, 128, 4, 8), (16, 512, 4, 8), (128, 128, 8, 8)]
+
+
+def sweep_gemv(only):
+    original_shape, original_max_m = sm.GEMV_SHAPE, sm.GEMV_MAX_M
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        for N in (8192, 28672):
+            label = f"bf16 x {fmt} M1 N{N}"
+            if only not in label:
+                continue
+            K = 8192
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            b = quant.quantize(w, fmt, axis=1)
+            ref = sm.scaled_matmul_reference(x, b, torch.float32)
+
+            def timed(fn):
+                sm._register_plans.clear()
+                sm._gemv_plans.clear()
+                out = fn()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                return do_bench(fn, warmup=10, rep=50) * 1e3, do_bench_cudagraph(fn, rep=50) * 1e3, err
+
+            peer = timed(lambda: x @ w.t())
+            sm.GEMV_MAX_M = 0
+            tensor_cores = timed(lambda: sm.scaled_matmul(x, b))
+            sm.GEMV_MAX_M = original_max_m
+            rows = []
+            for shape in GEMV_SHAPES:
+                sm.GEMV_SHAPE = shape
+                rows.append((*timed(lambda: sm.scaled_matmul(x, b)), shape))
+            sm.GEMV_SHAPE = original_shape
+            best = min(rows, key=lambda r: r[1])
+            print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
+                  f"{tensor_cores[0]:6.1f}/{tensor_cores[1]:6.1f} | best gemv {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
+                  f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), err {best[2]:.1e}",
+                  flush=True)
+            print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
+
+
 original = sm._launch_shape
 original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
-args = [a for a in sys.argv[1:] if a != "--paths"]
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
 only = args[0] if args else ""
 if "--paths" in sys.argv:
     sweep_paths(only)
+    sys.exit()
+if "--gemv" in sys.argv:
+    sweep_gemv(only)
     sys.exit()
 for label, M, N, K, fa, fb, shapes in CASES:
     if only not in label:

@@ -365,11 +365,18 @@ def _element_bytes(data_ptr, rows, n_rows, k0, K, stride_data, FMT: tl.constexpr
         ok = (rows[:, None] < n_rows) & (cols[None, :] < K)
         codes = tl.load(data_ptr + rows[:, None] * stride_data + cols[None, :], mask=ok, other=0)
     else:
-        packed = _packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K).to(tl.int32)
-        lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
-        hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+        lo, hi = _e2m1_f16_bits(_packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K).to(tl.int32))
         codes = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K)).to(tl.int16)
     return codes
+
+
+@triton.jit
+def _e2m1_f16_bits(packed):
+    """(low nibbles, high nibbles) of int32 code bytes as float16 bits (int32) worth 2^-14 times
+    their e2m1 values: sign to bit 15, the exponent and mantissa bits to 11..9."""
+    lo = ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
+    hi = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
+    return lo, hi
 
 
 # e2m1 to bf16 on the GPU, four elements (two code bytes, each given twice) per instance: the
@@ -399,6 +406,104 @@ mul.rn.bf16x2 $1, $1, $4;
 }
 """)
 _PTX_DECODE = tl.constexpr(not runtime.INTERPRET)
+
+# The eight e2m1 codes of an int32 word of packed codes (nibble i is element i) to float32 worth
+# 2^-14 times their values: shifts and masks place two codes at once, those of bytes 0 and 2 (or
+# 1 and 3), in the two float16 halves of a word (the bits as _e2m1_f16_bits), then a conversion a
+# value makes it float32. 15 integer instructions for 8 values (the high nibbles of bytes 1 and
+# 3 have their sign bits in place already), where the arithmetic on one int32 a value takes about 5.
+_E2M1_WORD_TO_F32_PTX = tl.constexpr("""
+{
+.reg .b32 a, b, h0, h1, h2, h3;
+.reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;
+shl.b32 a, $8, 9;
+shl.b32 b, $8, 12;
+and.b32 a, a, 0x0E000E00;
+lop3.b32 h0, b, 0x80008000, a, 0xEA;
+shl.b32 a, $8, 5;
+shl.b32 b, $8, 8;
+and.b32 a, a, 0x0E000E00;
+lop3.b32 h1, b, 0x80008000, a, 0xEA;
+shl.b32 a, $8, 1;
+shl.b32 b, $8, 4;
+and.b32 a, a, 0x0E000E00;
+lop3.b32 h2, b, 0x80008000, a, 0xEA;
+shr.b32 a, $8, 3;
+and.b32 a, a, 0x0E000E00;
+lop3.b32 h3, $8, 0x80008000, a, 0xEA;
+mov.b32 {l0, l4}, h0;
+mov.b32 {l1, l5}, h1;
+mov.b32 {l2, l6}, h2;
+mov.b32 {l3, l7}, h3;
+cvt.f32.f16 $0, l0;
+cvt.f32.f16 $1, l1;
+cvt.f32.f16 $2, l2;
+cvt.f32.f16 $3, l3;
+cvt.f32.f16 $4, l4;
+cvt.f32.f16 $5, l5;
+cvt.f32.f16 $6, l6;
+cvt.f32.f16 $7, l7;
+}
+""")
+
+
+@triton.jit
+def _nibble_value(words, SHIFT: tl.constexpr):
+    """float32 2^-14 times the e2m1 value of the nibble at bit SHIFT of int32 words."""
+    lo, _ = _e2m1_f16_bits(words >> SHIFT)
+    return lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_word_values(words):
+    """The eight elements of int32 words of packed fp4 codes (element i in nibble i, bits 4i..4i+3),
+    as float32 2^-14 times their e2m1 values (exact; float16's subnormal is e2m1's 0.5)."""
+    if _PTX_DECODE:
+        values = tl.inline_asm_elementwise(_E2M1_WORD_TO_F32_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                           dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                                                  tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        values = (_nibble_value(words, 0), _nibble_value(words, 4), _nibble_value(words, 8),
+                  _nibble_value(words, 12), _nibble_value(words, 16), _nibble_value(words, 20),
+                  _nibble_value(words, 24), _nibble_value(words, 28))
+    return values
+
+
+# Four e4m3 bytes of an int32 word (byte i is element i) to float32: two conversions of a pair to
+# float16 (exact), then one a value to float32.
+_E4M3_WORD_TO_F32_PTX = tl.constexpr("""
+{
+.reg .b16 p0, p1, l0, l1, l2, l3;
+.reg .b32 h0, h1;
+mov.b32 {p0, p1}, $4;
+cvt.rn.f16x2.e4m3x2 h0, p0;
+cvt.rn.f16x2.e4m3x2 h1, p1;
+mov.b32 {l0, l1}, h0;
+mov.b32 {l2, l3}, h1;
+cvt.f32.f16 $0, l0;
+cvt.f32.f16 $1, l1;
+cvt.f32.f16 $2, l2;
+cvt.f32.f16 $3, l3;
+}
+""")
+
+
+@triton.jit
+def _byte_value(words, SHIFT: tl.constexpr):
+    """float32 value of the e4m3 byte at bit SHIFT of int32 words."""
+    return ((words >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_word_values(words):
+    """The four e4m3 elements of int32 words (element i in byte i) as float32."""
+    if _PTX_DECODE:
+        values = tl.inline_asm_elementwise(_E4M3_WORD_TO_F32_PTX, "=r,=r,=r,=r,r", [words],
+                                           dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+                                           pack=1)
+    else:
+        values = (_byte_value(words, 0), _byte_value(words, 8), _byte_value(words, 16), _byte_value(words, 24))
+    return values
 
 
 @triton.jit

@@ -11,9 +11,12 @@ either way it is stored as (N, K) rows. A is (M, K), quantized along K when bloc
 Hopper (sm_90) has no block-scaled tensor-core instruction, so the operands become bf16 (e4m3 or
 e2m1 times a power of two or an e4m3 scale is exact in bf16) for the bf16 tensor cores with
 float32 accumulation, and nvfp4's per-tensor scales multiply the accumulator once at the end:
-the result equals dequantize-then-matmul in float32 up to the order of the float32 sums. Two
+the result equals dequantize-then-matmul in float32 up to the order of the float32 sums. Three
 ways, by M:
-- few rows (M < DEQUANTIZE_FIRST_MIN_M: decoding, weight-only inference): one kernel whose
+- one bf16 row (M == 1, decoding a token): the CUDA cores, float32 products and sums (a tensor-
+  core tile would be 15/16 padding); the weight's codes are read as int32 words and decoded in
+  registers, x's bf16 pairs likewise, so a thread's loop is loads, integer ops and FMAs only.
+- few rows (M < DEQUANTIZE_FIRST_MIN_M: batched decoding, weight-only inference): one kernel whose
   programs dequantize their tiles in registers. The weights move 1 byte (fp8) or half a byte
   (fp4) per element plus the scales, which is the speed-up where a bf16 matmul is bound by
   reading the weight; a grid of few output tiles splits K so that every SM streams the weight.
@@ -88,7 +91,70 @@ def _scaled_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr,
                         c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
 
+@triton.jit
+def _bf16_pair_values(words):
+    """(even, odd) float32 values of int32 words holding two bf16 each (the even one low)."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, tensor_scale_ptr,
+                 N, K, k_per_split, stride_bn, stride_bs,
+                 B_FMT: tl.constexpr, B_VEC: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 TENSOR_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One bf16 row x (K / 2 contiguous int32 words, two bf16 each) times BLOCK_N rows of B over
+    one K split, on the CUDA cores, into c (1, N) contiguous; B comes as int32 words of codes
+    (eight fp4 or four e4m3 each), (N, K / 8) or (N, K / 4). A tensor-core tile would pad the
+    row to 16 and send every decoded tile of B through shared memory; here each thread decodes
+    its words in registers, multiplies them by x in float32 a word at a time (a multiply, then
+    an FMA a code), sums a scale block's words and applies the block's scale once. fp4 codes
+    decode to float32 worth 2^-14 of their values (quant.e2m1_word_values); x's bf16 become
+    float32 by a shift or a mask."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // B_VEC), tl.float32)
+    # Elements a word of B.
+    PER_WORD: tl.constexpr = 4 if B_FMT == "mxfp8" else 8
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        words = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+        in_k = words < K // PER_WORD
+        codes = tl.load(b_ptr + rows64[:, None] * stride_bn + words[None, :],
+                        mask=(rows[:, None] < N) & in_k[None, :], other=0)
+        # x's words that hold the same columns, two bf16 each.
+        x_words = x_ptr + words * (PER_WORD // 2)
+        x0, x1 = _bf16_pair_values(tl.load(x_words, mask=in_k, other=0))
+        x2, x3 = _bf16_pair_values(tl.load(x_words + 1, mask=in_k, other=0))
+        # In this order each word's sum is one multiply and then FMAs.
+        if B_FMT == "mxfp8":
+            w0, w1, w2, w3 = quant.e4m3_word_values(codes)
+            products = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
+        else:
+            w0, w1, w2, w3, w4, w5, w6, w7 = quant.e2m1_word_values(codes)
+            x4, x5 = _bf16_pair_values(tl.load(x_words + 2, mask=in_k, other=0))
+            x6, x7 = _bf16_pair_values(tl.load(x_words + 3, mask=in_k, other=0))
+            products = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :] \
+                + w4 * x4[None, :] + w5 * x5[None, :] + w6 * x6[None, :] + w7 * x7[None, :]
+        products = tl.reshape(products, (BLOCK_N, BLOCK_K // B_VEC, B_VEC // PER_WORD))
+        scale = quant._block_scales(b_scale_ptr, rows64, N, k0, K, stride_bs, B_FMT, B_VEC, BLOCK_K)
+        acc += tl.sum(products, axis=2) * scale
+    total = tl.sum(acc, axis=1)[None, :]
+    if B_FMT != "mxfp8":
+        total = total * 16384.0
+    row_c = tl.arange(0, 1)
+    finish = True
+    if SPLIT_K > 1:
+        finish, total = split_k_total(total, ws_ptr, counter_ptr, pid_n, pid_k, row_c, rows, 1, N, SPLIT_K)
+    if finish:
+        _epilogue_store(total, row_c, rows, 1, N, c_ptr, c_ptr, N, 1, bias_ptr, tensor_scale_ptr,
+                        c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
+
+
 _launch = runtime.FastLaunch(_scaled_matmul_kernel)
+_launch_gemv = runtime.FastLaunch(_gemv_kernel)
 # From this many rows of A on, dequantizing into memory first and running the bf16 matmul beats
 # dequantizing in registers (each B tile is decoded once per M tile there).
 DEQUANTIZE_FIRST_MIN_M = 512
@@ -111,12 +177,12 @@ def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     return 128, 256, 64, 8, 3
 
 
-def _split_k(tiles: int, K: int, block_k: int, device) -> int:
-    """K splits so that a grid of few output tiles (small M) still has about four programs per
-    SM streaming the weight; each split keeps at least 1024 of K."""
+def _split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) -> int:
+    """K splits so that a grid of few output tiles (small M) still has about programs_per_sm
+    programs an SM streaming the weight; each split keeps at least 1024 of K."""
     if runtime.INTERPRET:
         return 2 if K >= 2 * block_k else 1
-    want = runtime.cdiv(4 * runtime.num_sms(device.index or 0), tiles)
+    want = runtime.cdiv(programs_per_sm * runtime.num_sms(device.index or 0), tiles)
     return max(1, min(want, K // 1024, 16))
 
 
@@ -169,6 +235,8 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
     if M >= DEQUANTIZE_FIRST_MIN_M:
         _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
+    elif a_fmt == "bf16" and M <= GEMV_MAX_M and b.data.data_ptr() % 4 == 0:
+        _one_row(a_data, b, c, N, K, bias, tensor_scale)
     else:
         _in_registers(a_fmt, a_data, a_scales, b, c, M, N, K, bias, tensor_scale)
     return c
@@ -222,6 +290,54 @@ def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
 
 
 _register_plans = runtime.PlanTable()
+
+# Rows of a bf16 A up to which _gemv_kernel runs (it takes one), and its launch shape: (BLOCK_N,
+# BLOCK_K, num_warps, programs an SM that split-K aims at).
+GEMV_MAX_M = 1
+# scripts/sweep_scaled_matmul.py --gemv (H100, K 8192): at N 28672 nvfp4 56 us against 59-83 for
+# the other 14 shapes, mxfp4 61 against 61-81; at N 8192 within 1 us of the best (18-19 us).
+GEMV_SHAPE = (16, 64, 4, 4) if runtime.INTERPRET else (16, 512, 4, 8)
+
+
+def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
+    """bf16 x (1, K) times B: _gemv_kernel, planned once per signature and replayed."""
+    if x.stride(1) != 1 or x.data_ptr() % 4:
+        x = x.clone()  # the kernel reads x as aligned int32 words
+    x_words = x.view(torch.int32)
+    b_data = b.data.view(torch.uint8).view(torch.int32)
+    b_scales = b.scales.view(torch.uint8)
+    bias_arg = bias if bias is not None else c
+    scale_arg = tensor_scale if tensor_scale is not None else c
+    key = (N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
+           b_data.stride(0), b_scales.stride(0),
+           *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
+    plan = _gemv_plans.get(key)
+    if plan is None:
+        bn, bk, warps, per_sm = GEMV_SHAPE
+        bk = max(bk, b.block)
+        tiles = runtime.cdiv(N, bn)
+        split = _split_k(tiles, K, bk, c.device, per_sm)
+        k_per_split = runtime.cdiv(runtime.cdiv(K, split), bk) * bk
+        split = runtime.cdiv(K, k_per_split)
+        constexprs = dict(B_FMT=b.fmt, B_VEC=b.block, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        plan = [(tiles, split), split, k_per_split, constexprs, []]
+        _gemv_plans.put(key, plan)
+    grid, split, k_per_split, constexprs, entries = plan
+    if split > 1:
+        ws = torch.empty((split, 1, N), dtype=torch.float32, device=c.device)
+        counters = runtime.arrival_counters(c.device, grid[0])
+    else:
+        ws = counters = c
+    args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, N, K, k_per_split,
+            b_data.stride(0), b_scales.stride(0))
+    if entries:
+        _launch_gemv.replay(entries[0], grid, *args)
+        return
+    entries.append(_launch_gemv(grid, *args, **constexprs, HAS_BIAS=bias is not None,
+                                TENSOR_SCALE=int(tensor_scale is not None)))
+
+
+_gemv_plans = runtime.PlanTable()
 
 
 def _dequantize_first(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
