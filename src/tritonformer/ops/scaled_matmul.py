@@ -177,13 +177,26 @@ def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     return 128, 256, 64, 8, 3
 
 
-def _split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) -> int:
-    """K splits so that a grid of few output tiles (small M) still has about programs_per_sm
-    programs an SM streaming the weight; each split keeps at least 1024 of K."""
+def _split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) -> tuple[int, int]:
+    """(splits, K a split: a multiple of block_k) so that a grid of few output tiles (small M)
+    still has about programs_per_sm programs an SM streaming the weight; each split keeps at
+    least 1024 of K."""
     if runtime.INTERPRET:
-        return 2 if K >= 2 * block_k else 1
-    want = runtime.cdiv(programs_per_sm * runtime.num_sms(device.index or 0), tiles)
-    return max(1, min(want, K // 1024, 16))
+        split = 2 if K >= 2 * block_k else 1
+    else:
+        want = runtime.cdiv(programs_per_sm * runtime.num_sms(device.index or 0), tiles)
+        split = max(1, min(want, K // 1024, 16))
+    k_per_split = runtime.cdiv(runtime.cdiv(K, split), block_k) * block_k
+    return runtime.cdiv(K, k_per_split), k_per_split
+
+
+def _split_buffers(split: int, N: int, c: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 partials, arrival counters) for split_k_total; c stands in for both when K is
+    not split."""
+    if split == 1:
+        return c, c
+    return (torch.empty((split, c.shape[0], N), dtype=torch.float32, device=c.device),
+            runtime.arrival_counters(c.device, tiles))
 
 
 def _operand(name: str, t) -> None:
@@ -259,11 +272,7 @@ def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias,
         plan = _plan_in_registers(a_fmt, b, M, N, K, c.device)
         _register_plans.put(key, plan)
     grid, split, k_per_split, constexprs, entries = plan
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=c.device)
-        counters = runtime.arrival_counters(c.device, grid[0] * grid[1])
-    else:
-        ws = counters = c
+    ws, counters = _split_buffers(split, N, c, grid[0] * grid[1])
     args = (a_data, a_scales, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, k_per_split,
             a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
             c.stride(0), c.stride(1))
@@ -280,10 +289,7 @@ def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = FORMATS[a_fmt][0] if a_fmt != "bf16" else b.block
     bk = max(bk, vec_a, b.block)
-    tiles = runtime.cdiv(M, bm) * runtime.cdiv(N, bn)
-    split = _split_k(tiles, K, bk, device)
-    k_per_split = runtime.cdiv(runtime.cdiv(K, split), bk) * bk
-    split = runtime.cdiv(K, k_per_split)
+    split, k_per_split = _split_k(runtime.cdiv(M, bm) * runtime.cdiv(N, bn), K, bk, device)
     constexprs = dict(A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, SPLIT_K=split, UPCAST=runtime.INTERPRET,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return [(runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split, constexprs, []]
@@ -316,18 +322,12 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
         bn, bk, warps, per_sm = GEMV_SHAPE
         bk = max(bk, b.block)
         tiles = runtime.cdiv(N, bn)
-        split = _split_k(tiles, K, bk, c.device, per_sm)
-        k_per_split = runtime.cdiv(runtime.cdiv(K, split), bk) * bk
-        split = runtime.cdiv(K, k_per_split)
+        split, k_per_split = _split_k(tiles, K, bk, c.device, per_sm)
         constexprs = dict(B_FMT=b.fmt, B_VEC=b.block, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         plan = [(tiles, split), split, k_per_split, constexprs, []]
         _gemv_plans.put(key, plan)
     grid, split, k_per_split, constexprs, entries = plan
-    if split > 1:
-        ws = torch.empty((split, 1, N), dtype=torch.float32, device=c.device)
-        counters = runtime.arrival_counters(c.device, grid[0])
-    else:
-        ws = counters = c
+    ws, counters = _split_buffers(split, N, c, grid[0])
     args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, N, K, k_per_split,
             b_data.stride(0), b_scales.stride(0))
     if entries:
