@@ -276,11 +276,16 @@ def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias,
     args = (a_data, a_scales, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, k_per_split,
             a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
             c.stride(0), c.stride(1))
+    _launch_planned(_launch, grid, args, constexprs, entries, bias, tensor_scale)
+
+
+def _launch_planned(launch: runtime.FastLaunch, grid, args, constexprs, entries: list, bias, tensor_scale) -> None:
+    """Replay a plan's launch, or launch it the first time and keep its entry in the plan."""
     if entries:
-        _launch.replay(entries[0], grid, *args)
+        launch.replay(entries[0], grid, *args)
         return
-    entries.append(_launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
-                           TENSOR_SCALE=int(tensor_scale is not None)))
+    entries.append(launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
+                          TENSOR_SCALE=int(tensor_scale is not None)))
 
 
 def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
@@ -310,7 +315,7 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
     if x.stride(1) != 1 or x.data_ptr() % 4:
         x = x.clone()  # the kernel reads x as aligned int32 words
     x_words = x.view(torch.int32)
-    b_data = b.data.view(torch.uint8).view(torch.int32)
+    b_data = b.data.view(torch.int32)
     b_scales = b.scales.view(torch.uint8)
     bias_arg = bias if bias is not None else c
     scale_arg = tensor_scale if tensor_scale is not None else c
@@ -330,11 +335,7 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
     ws, counters = _split_buffers(split, N, c, grid[0])
     args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, N, K, k_per_split,
             b_data.stride(0), b_scales.stride(0))
-    if entries:
-        _launch_gemv.replay(entries[0], grid, *args)
-        return
-    entries.append(_launch_gemv(grid, *args, **constexprs, HAS_BIAS=bias is not None,
-                                TENSOR_SCALE=int(tensor_scale is not None)))
+    _launch_planned(_launch_gemv, grid, args, constexprs, entries, bias, tensor_scale)
 
 
 _gemv_plans = runtime.PlanTable()
