@@ -3,9 +3,9 @@ stages) candidate of the in-register kernel, with the op's own split-K, against 
 the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
 M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
-time alone (CUDA graphs).
+time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPE) likewise.
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv] [substring of the case labels to run]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma] [substring of the case labels]
 """
 
 import sys
@@ -75,11 +75,7 @@ def sweep_gemv(only):
             ref = sm.scaled_matmul_reference(x, b, torch.float32)
 
             def timed(fn):
-                sm._register_plans.clear()
-                sm._gemv_plans.clear()
-                out = fn()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                return do_bench(fn, warmup=10, rep=50) * 1e3, do_bench_cudagraph(fn, rep=50) * 1e3, err
+                return _timed(fn, ref)
 
             peer = timed(lambda: x @ w.t())
             sm.GEMV_MAX_M = 0
@@ -98,6 +94,49 @@ def sweep_gemv(only):
             print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
 
 
+def _timed(fn, ref):
+    """(do_bench us, CUDA-graph us, relative error against ref) of fn, planned afresh."""
+    for plans in (sm._register_plans, sm._gemv_plans, sm._mma_plans):
+        plans.clear()
+    out = fn()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    return do_bench(fn, warmup=10, rep=50) * 1e3, do_bench_cudagraph(fn, rep=50) * 1e3, err
+
+
+MMA_SHAPES = [(4, 2, 8), (4, 2, 16), (4, 1, 8), (4, 1, 16), (4, 1, 32), (8, 2, 8), (8, 1, 16), (2, 2, 16),
+              (2, 2, 32), (2, 1, 16), (2, 1, 32)]
+
+
+def sweep_mma(only):
+    original_shape, original_max_m = sm.MMA_SHAPE, sm.MMA_MAX_M
+    for fmt in ("nvfp4", "mxfp4"):
+        for M in (16, 8, 2):
+            for N in (8192, 28672):
+                label = f"bf16 x {fmt} M{M} N{N}"
+                if only not in label:
+                    continue
+                K = 8192
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+                b = quant.quantize(w, fmt, axis=1)
+                ref = sm.scaled_matmul_reference(x, b, torch.float32)
+                peer = _timed(lambda: x @ w.t(), ref)
+                sm.MMA_MAX_M = 0
+                before = _timed(lambda: sm.scaled_matmul(x, b), ref)
+                sm.MMA_MAX_M = original_max_m
+                rows = []
+                for shape in MMA_SHAPES:
+                    sm.MMA_SHAPE = shape
+                    rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
+                sm.MMA_SHAPE = original_shape
+                best = min(rows, key=lambda r: r[1])
+                print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
+                      f"{before[0]:6.1f}/{before[1]:6.1f} | best mma {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
+                      f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), "
+                      f"err {max(r[2] for r in rows):.1e}", flush=True)
+                print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
+
+
 original = sm._launch_shape
 original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -107,6 +146,9 @@ if "--paths" in sys.argv:
     sys.exit()
 if "--gemv" in sys.argv:
     sweep_gemv(only)
+    sys.exit()
+if "--mma" in sys.argv:
+    sweep_mma(only)
     sys.exit()
 for label, M, N, K, fa, fb, shapes in CASES:
     if only not in label:

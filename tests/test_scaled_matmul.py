@@ -28,25 +28,27 @@ def test_bf16_activations_times_quantized_weight(fmt, M, device):
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-def test_one_row_every_code_byte_and_split_k(fmt, device):
-    # M = 1 takes the CUDA-core kernel (on the GPU its fp4 codes decode in PTX): every code byte
-    # in every row, scales over the formats' range, x a strided view, K split, bias.
-    N, K = 70, 2048
+@pytest.mark.parametrize("M,N,K", [(1, 70, 2048), (2, 70, 2144), (9, 130, 1024), (16, 256, 1024)])
+def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
+    # M = 1 takes the CUDA-core kernel, up to 16 rows of fp4 weights the mma.sync kernel (on the
+    # GPU their codes decode in PTX, with K permuted within the tensor cores' fragments): every
+    # code byte in every row, scales over the formats' range, x a strided view, K split, bias;
+    # M, N and K below and at multiples of the mma kernel's tiles (its masked and unmasked loads).
     width = K if fmt == "mxfp8" else K // 2
     gen = torch.Generator().manual_seed(3)
-    rows = torch.stack([torch.randperm(256, generator=gen) for _ in range(N)]).repeat(1, width // 256)
+    rows = torch.stack([torch.randperm(256, generator=gen) for _ in range(N)]).repeat(1, -(-width // 256))
     block = quant.FORMATS[fmt][0]
     if fmt == "nvfp4":  # e4m3 scales over their finite range, subnormals included
         codes = torch.randint(1, 127, (N, K // block), generator=gen, dtype=torch.uint8)
         scales = codes.view(torch.float8_e4m3fn)
     else:  # e8m0 exponents 2^-40 .. 2^40
         scales = torch.randint(87, 168, (N, K // block), generator=gen, dtype=torch.uint8)
-    data = rows.to(torch.uint8)
+    data = rows[:, :width].to(torch.uint8)
     if fmt == "mxfp8":  # finite e4m3 codes only: 0x7f and 0xff are NaN
         data = torch.where((data & 0x7F) == 0x7F, data - 1, data).view(torch.float8_e4m3fn)
     tensor_scale = torch.tensor(0.37, device=device) if fmt == "nvfp4" else None
     w = quant.QuantizedTensor(data.to(device), scales.to(device), fmt, torch.Size((N, K)), 1, tensor_scale)
-    x = torch.randn(1, 2 * K, device=device).to(torch.bfloat16)[:, ::2]
+    x = torch.randn(M, 2 * K, device=device).to(torch.bfloat16)[:, ::2]
     bias = torch.randn(N, device=device)
     out = scaled_matmul(x, w, out_dtype=torch.float32, bias=bias)
     ref = scaled_matmul_reference(x, w, torch.float32, bias=bias)

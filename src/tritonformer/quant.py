@@ -488,6 +488,75 @@ cvt.f32.f16 $3, l3;
 """)
 
 
+# The eight e2m1 codes of an int32 word as four bf16x2 registers times a multiplier, for the
+# tensor cores (scaled_matmul's mma kernel): register p holds nibble p (low half) and nibble p + 4
+# (high half), so one shift places both. The sign goes to bit 15 and the 3 magnitude bits to
+# 8..6, which makes each half bf16 worth 2^-126 of its value (e2m1's 0.5 is bf16's subnormal
+# 2^-127): 15 integer instructions for 8 codes. Then one bf16x2 multiply by $5 (both halves the
+# multiplier m): the registers hold value * m * 2^-126.
+def _e2m1_word_times_ptx(times_2_126: bool) -> str:
+    # (left shift of the magnitude bits, of the sign bit) for registers 0..3; negative: right.
+    shifts = ((6, 12), (2, 8), (-2, 4), (-6, 0))
+    lines = ["{", ".reg .b32 a, b, h, k;", "mov.b32 k, 0x7E807E80;"]  # k: 2^126 in both halves
+    for p, (magnitude, sign) in enumerate(shifts):
+        lines.append(f"shl.b32 a, $4, {magnitude};" if magnitude > 0 else f"shr.b32 a, $4, {-magnitude};")
+        lines.append("and.b32 a, a, 0x01C001C0;")
+        if sign:
+            lines += [f"shl.b32 b, $4, {sign};", "lop3.b32 h, b, 0x80008000, a, 0xEA;"]
+        else:
+            lines.append("lop3.b32 h, $4, 0x80008000, a, 0xEA;")
+        if times_2_126:
+            lines.append("mul.rn.bf16x2 h, h, k;")
+        lines.append(f"mul.rn.bf16x2 ${p}, h, $5;")
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_WORD_TIMES_BF16X2_PTX = tl.constexpr(_e2m1_word_times_ptx(False))
+# With a first multiply by 2^126 the registers hold value * m, for multipliers m that 2^126 m
+# would overflow (e8m0 scales over 2^1).
+_E2M1_WORD_TIMES_SCALE_BF16X2_PTX = tl.constexpr(_e2m1_word_times_ptx(True))
+
+
+@triton.jit
+def bf16_bits(values):
+    """int32 holding in its low half the bf16 bits of float32 values that bf16 holds exactly."""
+    return (values.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+
+
+@triton.jit
+def bf16_pair_values(pairs):
+    """(low, high) float32 values of int32 words holding two bf16 each."""
+    return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_nibble_pair(words, SHIFT: tl.constexpr, scale):
+    """bf16 pair of the nibbles at bits SHIFT (low half) and SHIFT + 16 (high half) times scale."""
+    lo = _nibble_value(words, SHIFT) * 16384.0 * scale
+    hi = _nibble_value(words, SHIFT + 16) * 16384.0 * scale
+    return bf16_bits(lo) | (bf16_bits(hi) << 16)
+
+
+@triton.jit
+def e2m1_word_bf16_pairs(words, multiplier_pairs, TIMES_2_126: tl.constexpr):
+    """The eight e2m1 codes of int32 words (element i in nibble i) times a multiplier m, as four
+    int32 words of bf16 pairs: word p holds elements p (low half) and p + 4 (high half).
+    multiplier_pairs holds m's bf16 bits in both halves. The elements come out as value * m *
+    2^-126, or with TIMES_2_126 as value * m (a multiply more); the products must be exact in
+    bf16 (an e2m1 value times a power of two or an e4m3 value is, inside bf16's range)."""
+    if _PTX_DECODE:
+        asm: tl.constexpr = _E2M1_WORD_TIMES_SCALE_BF16X2_PTX if TIMES_2_126 else _E2M1_WORD_TIMES_BF16X2_PTX
+        pairs = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [words, multiplier_pairs],
+                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        scale = (multiplier_pairs << 16).to(tl.float32, bitcast=True)
+        if not TIMES_2_126:
+            scale = scale * 2.0 ** -126
+        pairs = (_scaled_nibble_pair(words, 0, scale), _scaled_nibble_pair(words, 4, scale),
+                 _scaled_nibble_pair(words, 8, scale), _scaled_nibble_pair(words, 12, scale))
+    return pairs
+
+
 @triton.jit
 def _byte_value(words, SHIFT: tl.constexpr):
     """float32 value of the e4m3 byte at bit SHIFT of int32 words."""
