@@ -19,7 +19,8 @@ ways, by M:
 - up to 16 bf16 rows times fp4 weights (batched decoding): mma.sync from inline PTX, the weight
   as the A operand (C^T = B X^T), its codes decoded in registers into the A fragments with K
   permuted within each fragment, so that a lane's int32 word of eight codes is four registers
-  of bf16 pairs after 15 integer instructions and a multiply by the block scale a pair.
+  of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
+  a pair for the block scale.
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
   quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1 byte (fp8) or half a byte
   (fp4) per element plus the scales, which is the speed-up where a bf16 matmul is bound by
