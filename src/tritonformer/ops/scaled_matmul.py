@@ -22,9 +22,10 @@ ways, by M:
   of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
   a pair for the block scale.
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
-  quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1 byte (fp8) or half a byte
-  (fp4) per element plus the scales, which is the speed-up where a bf16 matmul is bound by
-  reading the weight; a grid of few output tiles splits K so that every SM streams the weight.
+  quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1
+  byte (fp8) or half a byte (fp4) per element plus the scales, which is the speed-up where a bf16
+  matmul is bound by reading the weight; a grid of few output tiles splits K so that every SM
+  streams the weight.
 - many rows (from 512): dequantize into bf16 buffers (A whole, B in slabs of at most 64 MiB),
   then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
   5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against torch bf16's 652-672 in the same runs).
@@ -237,6 +238,11 @@ def _lane_scale_pairs(b_scale_ptr, rows, N, block, n_blocks, stride_bs, B_FMT: t
 
 
 @triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.constexpr_function
 def _bit_reversed(i, bits):
     return int(format(i, f"0{bits}b")[::-1], 2)
 
@@ -246,7 +252,7 @@ def _fragments_to_tile(accs, WARPS: tl.constexpr, MT: tl.constexpr, NT: tl.const
     """The accumulator fragments (tuple index ((t * NT + u) * 2 + h) * 2 + e: m-tile t, n-tile u,
     row half h, column e) as the (8 NT, 16 WARPS MT) tile of C (columns of C^T = rows of B)."""
     COUNT: tl.constexpr = MT * NT * 4
-    BITS: tl.constexpr = 2 if COUNT == 4 else (3 if COUNT == 8 else (4 if COUNT == 16 else 5))
+    BITS: tl.constexpr = _log2(COUNT)
     # A tree of joins puts list entry i at flat index bitreverse(i): list them bit-reversed.
     level = ()
     for i in tl.static_range(COUNT):
@@ -604,7 +610,7 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     bias_arg = bias if bias is not None else c
     scale_arg = tensor_scale if tensor_scale is not None else c
     key = (M, N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
-           x_words.stride(0), b_data.stride(0), b_scales.stride(0), c.stride(0),
+           x_words.stride(0), b_data.stride(0), b_scales.stride(0),
            *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
     plan = _mma_plans.get(key)
     if plan is None:
