@@ -3,7 +3,7 @@ stages) candidate of the in-register kernel, with the op's own split-K, against 
 the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
 M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
-time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPE) likewise.
+time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise.
 
     PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma] [substring of the case labels]
 """
@@ -101,12 +101,14 @@ def _timed(fn, ref):
 
 MMA_SHAPES = [(4, 2, 8), (4, 2, 16), (4, 1, 8), (4, 1, 16), (4, 1, 32), (8, 2, 8), (8, 1, 16), (2, 2, 16),
               (2, 2, 32), (2, 1, 16), (2, 1, 32)]
+# From 4 tiles of x on (130-186 registers at two tiles of B a warp), fewer shapes.
+MMA_SHAPES_WIDE = [(4, 1, 8), (4, 1, 16), (4, 2, 4), (4, 2, 8), (4, 2, 16), (8, 1, 8), (2, 2, 8), (2, 2, 16)]
 
 
 def sweep_mma(only):
-    original_shape, original_max_m = sm.MMA_SHAPE, sm.MMA_MAX_M
+    original_shapes, original_max_m = sm.MMA_SHAPES, sm.MMA_MAX_M
     for fmt in ("nvfp4", "mxfp4"):
-        for M in (16, 8, 2):
+        for M in (64, 32, 16, 8, 2):
             for N in (8192, 28672):
                 label = f"bf16 x {fmt} M{M} N{N}"
                 if only not in label:
@@ -121,10 +123,10 @@ def sweep_mma(only):
                 before = _timed(lambda: sm.scaled_matmul(x, b), ref)
                 sm.MMA_MAX_M = original_max_m
                 rows = []
-                for shape in MMA_SHAPES:
-                    sm.MMA_SHAPE = shape
+                for shape in MMA_SHAPES if M <= 16 else MMA_SHAPES_WIDE:
+                    sm.MMA_SHAPES = dict.fromkeys(original_shapes, shape)
                     rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
-                sm.MMA_SHAPE = original_shape
+                sm.MMA_SHAPES = original_shapes
                 best = min(rows, key=lambda r: r[1])
                 print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
                       f"{before[0]:6.1f}/{before[1]:6.1f} | best mma {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "

@@ -28,9 +28,10 @@ def test_bf16_activations_times_quantized_weight(fmt, M, device):
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-@pytest.mark.parametrize("M,N,K", [(1, 70, 2048), (2, 70, 2144), (9, 130, 1024), (16, 256, 1024)])
+@pytest.mark.parametrize("M,N,K", [(1, 70, 2048), (2, 70, 2144), (9, 130, 1024), (16, 256, 1024), (32, 130, 1024),
+                                   (40, 70, 1056), (64, 128, 1024)])
 def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
-    # M = 1 takes the CUDA-core kernel, up to 16 rows of fp4 weights the mma.sync kernel (on the
+    # M = 1 takes the CUDA-core kernel, up to 64 rows of fp4 weights the mma.sync kernel (on the
     # GPU their codes decode in PTX, with K permuted within the tensor cores' fragments): every
     # code byte in every row, scales over the formats' range, x a strided view, K split, bias;
     # M, N and K below and at multiples of the mma kernel's tiles (its masked and unmasked loads).

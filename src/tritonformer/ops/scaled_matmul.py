@@ -16,7 +16,7 @@ ways, by M:
 - one bf16 row (M == 1, decoding a token): the CUDA cores, float32 products and sums (a tensor-
   core tile would be 15/16 padding); the weight's codes are read as int32 words and decoded in
   registers, x's bf16 pairs likewise, so a thread's loop is loads, integer ops and FMAs only.
-- up to 16 bf16 rows times fp4 weights (batched decoding): mma.sync from inline PTX, the weight
+- up to 64 bf16 rows times fp4 weights (batched decoding): mma.sync from inline PTX, the weight
   as the A operand (C^T = B X^T), its codes decoded in registers into the A fragments with K
   permuted within each fragment, so that a lane's int32 word of eight codes is four registers
   of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
@@ -295,14 +295,17 @@ def _x_fragments(x_ptr, k0, M, K, stride_xm, WARPS: tl.constexpr, NT: tl.constex
         tile = tl.load(at, mask=(tokens[:, None] < M) & (cols[None, :] < K // 2), other=0)
     else:
         tile = tl.load(at)
+    # Regrouped here, where a thread holds four words in a row: once a program, not once a warp.
+    x0, x1, x2, x3 = _lane_columns(tl.reshape(tile, (NT * 128, 4)), NT * 128)
+    p0, p1, p2, p3 = _x_pairs(x0, x1, x2, x3)
+    tile = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (NT * 8, 64))
     # (u, g, q, j, r) -> (g, q, r, u, j): a lane (g, q) holds word 16 q + 4 j + r of row 8 u + g.
     lanes = tl.permute(tl.reshape(tile, (NT, 8, 4, 4, 4)), (1, 2, 4, 0, 3))
     per_lane = _split_last(tl.reshape(lanes, (32, 4, NT * 4)), NT * 4)
     fragments = ()
     for i in tl.static_range(NT * 4):
         words = tl.reshape(tl.broadcast_to(per_lane[i][None, :, :], (WARPS, 32, 4)), (LANES, 4))
-        x0, x1, x2, x3 = _lane_columns(words, LANES)
-        fragments = fragments + (_x_pairs(x0, x1, x2, x3),)
+        fragments = fragments + (_lane_columns(words, LANES),)
     return fragments
 
 
@@ -596,10 +599,12 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
 _gemv_plans = runtime.PlanTable()
 
 
-# Rows of a bf16 A up to which fp4 weights go through _mma_kernel, and its launch shape: (warps,
-# 16-row tiles of B a warp, programs an SM that split-K aims at).
-MMA_MAX_M = 16
-MMA_SHAPE = (4, 2, 16)
+# Rows of a bf16 A up to which fp4 weights go through _mma_kernel, and its launch shapes by the
+# 8-row tiles of x a program takes: (warps, 16-row tiles of B a warp, programs an SM that split-K
+# aims at). scripts/sweep_scaled_matmul.py --mma, H100, K 8192, GPU time alone: at M = 64 and N
+# = 28672 (2, 2, 8) 164-172 us against 177-270 for 7 other shapes, at M = 32 103 against 108-151.
+MMA_MAX_M = 64
+MMA_SHAPES = {1: (4, 2, 16), 2: (4, 2, 16), 4: (2, 2, 8), 8: (2, 2, 8)}
 
 
 def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
@@ -614,8 +619,8 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
            *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
     plan = _mma_plans.get(key)
     if plan is None:
-        warps, m_tiles, per_sm = MMA_SHAPE
-        n_tiles = 1 if M <= 8 else 2
+        n_tiles = triton.next_power_of_2(runtime.cdiv(M, 8))
+        warps, m_tiles, per_sm = MMA_SHAPES[n_tiles]
         tiles = runtime.cdiv(N, 16 * warps * m_tiles)
         split, k_per_split = _split_k(tiles, K, 128, c.device, per_sm)
         constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, WARPS=warps, MT=m_tiles, NT=n_tiles,
