@@ -62,32 +62,39 @@ GEMV_SHAPES = [(64, 256, 4, 4), (64, 256, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6
 
 
 def sweep_gemv(only):
-    original_shape, original_max_m = sm.GEMV_SHAPE, sm.GEMV_MAX_M
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for N in (8192, 28672):
-            label = f"bf16 x {fmt} M1 N{N}"
-            if only not in label:
-                continue
-            K = 8192
-            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-            b = quant.quantize(w, fmt, axis=1)
-            ref = sm.scaled_matmul_reference(x, b, torch.float32)
-            peer = _timed(lambda: x @ w.t(), ref)
-            sm.GEMV_MAX_M = 0
-            tensor_cores = _timed(lambda: sm.scaled_matmul(x, b), ref)
-            sm.GEMV_MAX_M = original_max_m
-            rows = []
-            for shape in GEMV_SHAPES:
-                sm.GEMV_SHAPE = shape
-                rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
-            sm.GEMV_SHAPE = original_shape
-            best = min(rows, key=lambda r: r[1])
-            print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
-                  f"{tensor_cores[0]:6.1f}/{tensor_cores[1]:6.1f} | best gemv {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
-                  f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), err {best[2]:.1e}",
-                  flush=True)
-            print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
+            _sweep_kernel_shapes(f"bf16 x {fmt} M1 N{N}", only, fmt, 1, N, "gemv", "GEMV_MAX_M", "GEMV_SHAPE",
+                                 GEMV_SHAPES, lambda shape: shape)
+
+
+def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name, candidates, as_setting):
+    """bf16 x (M, 8192) times fmt weights (N, 8192): torch bf16, the tensor-core kernel (sm.<max_m_name>
+    set to 0 turns the swept kernel off) and the swept kernel with each candidate shape (sm.<shapes_name>
+    = as_setting(candidate)); prints the best candidate and every time."""
+    if only not in label:
+        return
+    K = 8192
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    b = quant.quantize(w, fmt, axis=1)
+    ref = sm.scaled_matmul_reference(x, b, torch.float32)
+    peer = _timed(lambda: x @ w.t(), ref)
+    original_max_m, original_shapes = getattr(sm, max_m_name), getattr(sm, shapes_name)
+    setattr(sm, max_m_name, 0)
+    tensor_cores = _timed(lambda: sm.scaled_matmul(x, b), ref)
+    setattr(sm, max_m_name, original_max_m)
+    rows = []
+    for shape in candidates:
+        setattr(sm, shapes_name, as_setting(shape))
+        rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
+    setattr(sm, shapes_name, original_shapes)
+    best = min(rows, key=lambda r: r[1])
+    print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
+          f"{tensor_cores[0]:6.1f}/{tensor_cores[1]:6.1f} | best {kernel} {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
+          f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), "
+          f"err {max(r[2] for r in rows):.1e}", flush=True)
+    print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
 
 
 def _timed(fn, ref):
@@ -106,33 +113,13 @@ MMA_SHAPES_WIDE = [(4, 1, 8), (4, 1, 16), (4, 2, 4), (4, 2, 8), (4, 2, 16), (8, 
 
 
 def sweep_mma(only):
-    original_shapes, original_max_m = sm.MMA_SHAPES, sm.MMA_MAX_M
     for fmt in ("nvfp4", "mxfp4"):
         for M in (64, 32, 16, 8, 2):
             for N in (8192, 28672):
-                label = f"bf16 x {fmt} M{M} N{N}"
-                if only not in label:
-                    continue
-                K = 8192
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-                b = quant.quantize(w, fmt, axis=1)
-                ref = sm.scaled_matmul_reference(x, b, torch.float32)
-                peer = _timed(lambda: x @ w.t(), ref)
-                sm.MMA_MAX_M = 0
-                before = _timed(lambda: sm.scaled_matmul(x, b), ref)
-                sm.MMA_MAX_M = original_max_m
-                rows = []
-                for shape in MMA_SHAPES if M <= 16 else MMA_SHAPES_WIDE:
-                    sm.MMA_SHAPES = dict.fromkeys(original_shapes, shape)
-                    rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
-                sm.MMA_SHAPES = original_shapes
-                best = min(rows, key=lambda r: r[1])
-                print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
-                      f"{before[0]:6.1f}/{before[1]:6.1f} | best mma {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
-                      f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), "
-                      f"err {max(r[2] for r in rows):.1e}", flush=True)
-                print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
+                # Every tile count of x takes the candidate: MMA_SHAPES is keyed by it.
+                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "mma", "MMA_MAX_M", "MMA_SHAPES",
+                                     MMA_SHAPES if M <= 16 else MMA_SHAPES_WIDE,
+                                     lambda shape: dict.fromkeys(sm.MMA_SHAPES, shape))
 
 
 original = sm._launch_shape

@@ -619,7 +619,7 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
            *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
     plan = _mma_plans.get(key)
     if plan is None:
-        n_tiles = triton.next_power_of_2(runtime.cdiv(M, 8))
+        n_tiles = runtime.next_power_of_2(runtime.cdiv(M, 8))
         warps, m_tiles, per_sm = MMA_SHAPES[n_tiles]
         tiles = runtime.cdiv(N, 16 * warps * m_tiles)
         split, k_per_split = _split_k(tiles, K, 128, c.device, per_sm)
