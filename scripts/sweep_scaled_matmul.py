@@ -3,9 +3,10 @@ stages) candidate of the in-register kernel, with the op's own split-K, against 
 the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
 M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
-time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise.
+time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise;
+with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync kernel.
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma] [substring of the case labels]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma] [substring of the case labels]
 """
 
 import sys
@@ -68,10 +69,10 @@ def sweep_gemv(only):
                                  GEMV_SHAPES, lambda shape: shape)
 
 
-def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name, candidates, as_setting):
-    """bf16 x (M, 8192) times fmt weights (N, 8192): torch bf16, the tensor-core kernel (sm.<max_m_name>
-    set to 0 turns the swept kernel off) and the swept kernel with each candidate shape (sm.<shapes_name>
-    = as_setting(candidate)); prints the best candidate and every time."""
+def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name, candidates, as_setting, off=0):
+    """bf16 x (M, 8192) times fmt weights (N, 8192): torch bf16, the kernel that takes the case when
+    the swept one is off (sm.<max_m_name> set to off) and the swept kernel with each candidate shape
+    (sm.<shapes_name> = as_setting(candidate)); prints the best candidate and every time."""
     if only not in label:
         return
     K = 8192
@@ -81,7 +82,7 @@ def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name
     ref = sm.scaled_matmul_reference(x, b, torch.float32)
     peer = _timed(lambda: x @ w.t(), ref)
     original_max_m, original_shapes = getattr(sm, max_m_name), getattr(sm, shapes_name)
-    setattr(sm, max_m_name, 0)
+    setattr(sm, max_m_name, off)
     tensor_cores = _timed(lambda: sm.scaled_matmul(x, b), ref)
     setattr(sm, max_m_name, original_max_m)
     rows = []
@@ -90,7 +91,7 @@ def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name
         rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
     setattr(sm, shapes_name, original_shapes)
     best = min(rows, key=lambda r: r[1])
-    print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | tensor-core kernel "
+    print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | without it "
           f"{tensor_cores[0]:6.1f}/{tensor_cores[1]:6.1f} | best {kernel} {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
           f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), "
           f"err {max(r[2] for r in rows):.1e}", flush=True)
@@ -99,7 +100,7 @@ def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name
 
 def _timed(fn, ref):
     """(do_bench us, CUDA-graph us, relative error against ref) of fn, planned afresh."""
-    for plans in (sm._register_plans, sm._gemv_plans, sm._mma_plans):
+    for plans in (sm._register_plans, sm._gemv_plans, sm._mma_plans, sm._wgmma_plans):
         plans.clear()
     out = fn()
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -113,6 +114,7 @@ MMA_SHAPES_WIDE = [(4, 1, 8), (4, 1, 16), (4, 2, 4), (4, 2, 8), (4, 2, 16), (8, 
 
 
 def sweep_mma(only):
+    sm.WGMMA_MIN_M = 1 << 30
     for fmt in ("nvfp4", "mxfp4"):
         for M in (64, 32, 16, 8, 2):
             for N in (8192, 28672):
@@ -120,6 +122,18 @@ def sweep_mma(only):
                 _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "mma", "MMA_MAX_M", "MMA_SHAPES",
                                      MMA_SHAPES if M <= 16 else MMA_SHAPES_WIDE,
                                      lambda shape: dict.fromkeys(sm.MMA_SHAPES, shape))
+
+
+WGMMA_CANDIDATES = [(64, 4, 4), (64, 4, 8), (128, 4, 4), (64, 6, 4), (64, 3, 8), (128, 4, 2)]
+
+
+def sweep_wgmma(only):
+    for fmt in ("nvfp4", "mxfp4"):
+        for M in (64, 32, 16):
+            for N in (8192, 28672):
+                # Every token count takes the candidate; the baseline (WGMMA_MIN_M past MMA_MAX_M) is the mma kernel.
+                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "wgmma", "WGMMA_MIN_M", "WGMMA_SHAPES",
+                                     WGMMA_CANDIDATES, lambda shape: dict.fromkeys(sm.WGMMA_SHAPES, shape), off=1 << 30)
 
 
 original = sm._launch_shape
@@ -134,6 +148,9 @@ if "--gemv" in sys.argv:
     sys.exit()
 if "--mma" in sys.argv:
     sweep_mma(only)
+    sys.exit()
+if "--wgmma" in sys.argv:
+    sweep_wgmma(only)
     sys.exit()
 for label, M, N, K, fa, fb, shapes in CASES:
     if only not in label:

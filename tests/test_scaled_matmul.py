@@ -31,10 +31,24 @@ def test_bf16_activations_times_quantized_weight(fmt, M, device):
 @pytest.mark.parametrize("M,N,K", [(1, 70, 2048), (2, 70, 2144), (9, 130, 1024), (16, 256, 1024), (32, 130, 1024),
                                    (40, 70, 1056), (64, 128, 1024)])
 def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
-    # M = 1 takes the CUDA-core kernel, up to 64 rows of fp4 weights the mma.sync kernel (on the
-    # GPU their codes decode in PTX, with K permuted within the tensor cores' fragments): every
-    # code byte in every row, scales over the formats' range, x a strided view, K split, bias;
-    # M, N and K below and at multiples of the mma kernel's tiles (its masked and unmasked loads).
+    # M = 1 takes the CUDA-core kernel, up to 64 rows of fp4 weights the mma.sync kernel, on
+    # Hopper the wgmma kernel from 17 rows when K is a multiple of 128 (on the GPU their codes
+    # decode in PTX, with K permuted within the tensor cores' operands): every code byte in every
+    # row, scales over the formats' range, x a strided view, K split, bias; M, N and K below and
+    # at multiples of the kernels' tiles (their masked and unmasked loads).
+    _check_every_code_byte(fmt, M, N, K, device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("M,N,K", [(9, 130, 1024), (16, 256, 1024), (12, 70, 2048)])
+def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
+    # Up to 16 rows only large weights take the wgmma kernel: these small ones are sent there.
+    monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
+    _check_every_code_byte(fmt, M, N, K, device)
+
+
+def _check_every_code_byte(fmt, M, N, K, device):
     width = K if fmt == "mxfp8" else K // 2
     gen = torch.Generator().manual_seed(3)
     rows = torch.stack([torch.randperm(256, generator=gen) for _ in range(N)]).repeat(1, -(-width // 256))

@@ -494,20 +494,26 @@ cvt.f32.f16 $3, l3;
 # 8..6, which makes each half bf16 worth 2^-126 of its value (e2m1's 0.5 is bf16's subnormal
 # 2^-127): 15 integer instructions for 8 codes. Then one bf16x2 multiply by $5 (both halves the
 # multiplier m): the registers hold value * m * 2^-126.
-def _e2m1_word_times_ptx(times_2_126: bool) -> str:
+def _e2m1_word_times_ptx(times_2_126: bool, halves: bool = False) -> str:
+    """With halves, the eight bf16 come out as b16 registers $0..$7 (element i in $i) and the
+    inputs are $8 and $9: the layout of Gluon's wgmma operand is built from single elements."""
+    word, multiplier = ("$8", "$9") if halves else ("$4", "$5")
     # (left shift of the magnitude bits, of the sign bit) for registers 0..3; negative: right.
     shifts = ((6, 12), (2, 8), (-2, 4), (-6, 0))
     lines = ["{", ".reg .b32 a, b, h, k;", "mov.b32 k, 0x7E807E80;"]  # k: 2^126 in both halves
     for p, (magnitude, sign) in enumerate(shifts):
-        lines.append(f"shl.b32 a, $4, {magnitude};" if magnitude > 0 else f"shr.b32 a, $4, {-magnitude};")
+        lines.append(f"shl.b32 a, {word}, {magnitude};" if magnitude > 0 else f"shr.b32 a, {word}, {-magnitude};")
         lines.append("and.b32 a, a, 0x01C001C0;")
         if sign:
-            lines += [f"shl.b32 b, $4, {sign};", "lop3.b32 h, b, 0x80008000, a, 0xEA;"]
+            lines += [f"shl.b32 b, {word}, {sign};", "lop3.b32 h, b, 0x80008000, a, 0xEA;"]
         else:
-            lines.append("lop3.b32 h, $4, 0x80008000, a, 0xEA;")
+            lines.append(f"lop3.b32 h, {word}, 0x80008000, a, 0xEA;")
         if times_2_126:
             lines.append("mul.rn.bf16x2 h, h, k;")
-        lines.append(f"mul.rn.bf16x2 ${p}, h, $5;")
+        if halves:
+            lines += [f"mul.rn.bf16x2 h, h, {multiplier};", f"mov.b32 {{${p}, ${p + 4}}}, h;"]
+        else:
+            lines.append(f"mul.rn.bf16x2 ${p}, h, {multiplier};")
     return "\n".join(lines + ["}"])
 
 

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE: str = "cpu" if INTERPRET else "cuda"
@@ -198,9 +199,9 @@ def specialization_class(arg):
         return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
     if isinstance(arg, float):
         return float
-    if isinstance(arg, TensorDescriptor):
-        # Its shape and strides are passed as plain ints, not specialized.
-        return arg.base.dtype, tuple(arg.block_shape), arg.padding
+    if isinstance(arg, (TensorDescriptor, GluonTensorDescriptor)):
+        # Its shape and strides are passed as plain ints, not specialized; Gluon's has a layout.
+        return type(arg), arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "layout", None)
     return arg
 
 

@@ -20,7 +20,9 @@ ways, by M:
   as the A operand (C^T = B X^T), its codes decoded in registers into the A fragments with K
   permuted within each fragment, so that a lane's int32 word of eight codes is four registers
   of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
-  a pair for the block scale.
+  a pair for the block scale. On Hopper, from 17 rows (9 for large weights), the same decode
+  feeds wgmma's register operand instead (a Gluon kernel: it does not run under the
+  interpreter, which keeps the mma.sync kernel for these shapes).
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
   quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1
   byte (fp8) or half a byte (fp4) per element plus the scales, which is the speed-up where a bf16
@@ -41,6 +43,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import quant, runtime
 from .matmul import _epilogue_store, _one_matrix_strides, _replay_key, split_k_total
@@ -402,9 +409,168 @@ def _mma_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr,
                         c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
 
+
+# A wgmma step takes 128 of K: 16 int32 words of codes a row of B.
+WGMMA_STEP_K = 128
+_E2M1_HALVES_PTX = gl.constexpr(quant._e2m1_word_times_ptx(False, halves=True))
+_E2M1_HALVES_TIMES_2_126_PTX = gl.constexpr(quant._e2m1_word_times_ptx(True, halves=True))
+
+
+@gluon.constexpr_function
+def _wgmma_words_layout(BLOCK_N, WPT):
+    """Where B's (BLOCK_N, 16) words of a step live: the wgmma A operand's layout (register A,
+    bf16: lanes hold k 2t, 2t + 1 (t = lane % 4) and + 8 of each k16 of rows lane // 4 and + 8,
+    warps 16 rows each, then 64-row repetitions) read as words. A thread takes WPT consecutive
+    words (one scale block: WPT = block / 8) at word WPT t of each 32 WPT of K, so that its eight
+    codes a word fill its four bf16 pairs of two k16 chunks, K permuted (x is permuted to match,
+    _wgmma_kernel)."""
+    regs = [[0, 1 << i] for i in range(WPT.bit_length() - 1)] + [[8, 0]]
+    regs += [[0, 4 * WPT]] * (4 * WPT < 16) + [[r, 0] for r in (64, 128) if r < BLOCK_N]
+    return gl.DistributedLinearLayout(regs, [[0, WPT], [0, 2 * WPT], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                      [BLOCK_N, 16])
+
+
+@gluon.constexpr_function
+def _wgmma_scales_layout(BLOCK_N, WPT):
+    """The step's (BLOCK_N, 16 / WPT) block scales where _wgmma_words_layout has their words (one
+    register a block: joined WPT times, they are the words' multipliers)."""
+    regs = [[8, 0]] + [[0, b] for b in (4, 8) if b < 16 // WPT] + [[r, 0] for r in (64, 128) if r < BLOCK_N]
+    return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+                                      [BLOCK_N, 16 // WPT])
+
+
+@gluon.jit
+def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, tensor_scale_ptr,
+                  M, N, K, steps_per_split, stride_xm, stride_bs, stride_cm,
+                  B_FMT: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, TENSOR_SCALE: gl.constexpr,
+                  BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr):
+    """A few bf16 rows x (M <= TOKENS, K contiguous) times BLOCK_N rows of fp4 B over one K split,
+    Hopper only (Gluon: it does not run under the interpreter, where _mma_kernel does the same
+    product): C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from
+    shared memory. B's words come by TMA, STAGES steps ahead; a thread reads its words
+    (_wgmma_words_layout), decodes them with the block scale's multiply (the PTX of
+    _mma_kernel's decode, element by element) and joins the elements into the operand's layout
+    without moving data between threads. x and the scales are loaded a step ahead into
+    registers; x's K is permuted as B's on its way into shared memory (a relabelling of its
+    registers: the stores put each element in place)."""
+    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else 4
+    BLOCKS: gl.constexpr = 16 // WPT
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    step_lo = pid_k * steps_per_split
+    steps = gl.minimum(steps_per_split, K // 128 - step_lo)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT)
+    scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, WPT)
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    # Two buffers: a step's stores never meet the wgmma of the step before, still reading.
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, TOKENS, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    b_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(STAGES - 1):
+        if s < steps:
+            _wgmma_load_step(b_desc, b_smem, ready, s, step_lo + s, n0)
+
+    tokens_x = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = (x_ptr + tokens_x.to(gl.int64)[:, None] * stride_xm
+              + (step_lo * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x_layout)))[None, :])
+    x_mask = (tokens_x < M)[:, None]
+    next_x = gl.load(x_ptrs, mask=x_mask, other=0.0)
+    rows_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales_layout))
+    blocks = gl.arange(0, BLOCKS, layout=gl.SliceLayout(0, scales_layout))
+    scale_ptrs = b_scale_ptr + rows_s.to(gl.int64)[:, None] * stride_bs + (step_lo * BLOCKS + blocks)[None, :]
+    scale_mask = (rows_s < N)[:, None] & (blocks < BLOCKS)[None, :]
+    next_scales = gl.load(scale_ptrs, mask=scale_mask, other=0)
+    acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
+    for i in range(steps):
+        raw = next_scales.to(gl.int32)
+        scale_ptrs += BLOCKS
+        next_scales = gl.load(scale_ptrs, mask=scale_mask & (i + 1 < steps), other=0)
+        # Multipliers as _lane_scale_pairs makes them: e4m3 s as s 2^118, e8m0 as it is.
+        if B_FMT == "nvfp4":
+            bits = raw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * 2.0 ** 118
+            bits = (bits.to(gl.int32, bitcast=True) >> 16) & 0xFFFF
+        else:
+            bits = gl.where(raw == 0, 0x40, gl.where(raw == 255, 0x7FC0, raw << 7))
+        multipliers = bits | (bits << 16)
+        multipliers = gl.join(multipliers, multipliers)
+        if WPT == 4:
+            multipliers = gl.join(multipliers, multipliers)
+        multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, 16]), words_layout)
+        x_tile = next_x
+        x_ptrs += 128
+        next_x = gl.load(x_ptrs, mask=x_mask & (i + 1 < steps), other=0.0)
+        # Column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h takes x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0.
+        x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 128 // (32 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 5, 6, 2, 4))
+        x_buffer = x_smem.index(i % 2)
+        x_buffer.store(gl.reshape(x_tile, [TOKENS, 128]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        words = b_smem.index(stage).load(words_layout)
+        asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
+        e = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, multipliers],
+                                      dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # Element 4 h + 2 p1 + p0 of word (j, t, u) goes to k 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h.
+        joined = gl.join(gl.join(gl.join(e[0], e[4]), gl.join(e[1], e[5])),
+                         gl.join(gl.join(e[2], e[6]), gl.join(e[3], e[7])))
+        joined = gl.permute(gl.reshape(joined, [BLOCK_N, 16 // (4 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 6, 5, 2, 4))
+        a = gl.convert_layout(gl.reshape(joined, [BLOCK_N, 128]), a_layout)
+        acc = warpgroup_mma(a, x_buffer.permute((1, 0)), acc, is_async=True)
+        # Waiting here keeps a's registers (read by the asynchronous wgmma) alive until it is done.
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        ahead = i + STAGES - 1
+        if ahead < steps:
+            _wgmma_load_step(b_desc, b_smem, ready, ahead % STAGES, step_lo + ahead, n0)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    if B_FMT == "nvfp4":
+        acc = acc * 256.0  # the 2^-8 of the e4m3 multipliers
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
+    mask = (rows < N)[:, None] & (tokens < M)[None, :]
+    # The partials have split_k_total's layout (SPLIT_K, M, N).
+    offsets = tokens.to(gl.int64)[None, :] * N + rows[:, None]
+    finish = True
+    if SPLIT_K > 1:
+        gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + offsets, acc, mask=mask)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        finish = arrived == SPLIT_K - 1
+        if finish:
+            acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
+            for split in gl.static_range(SPLIT_K):
+                acc += gl.load(ws_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(counter_ptr + pid_n, 0)
+    if finish:
+        if TENSOR_SCALE:
+            acc = acc * gl.load(tensor_scale_ptr)
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(c_ptr + tokens.to(gl.int64)[None, :] * stride_cm + rows[:, None], acc.to(c_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@gluon.jit
+def _wgmma_load_step(b_desc, b_smem, ready, stage, step, n0):
+    """TMA load of a step's words of B (BLOCK_N, 16) into a stage."""
+    mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(b_desc, [n0, step * 16], ready.index(stage), b_smem.index(stage))
+
+
 _launch = runtime.FastLaunch(_scaled_matmul_kernel)
 _launch_gemv = runtime.FastLaunch(_gemv_kernel)
 _launch_mma = runtime.FastLaunch(_mma_kernel)
+_launch_wgmma = runtime.FastLaunch(_wgmma_kernel)
 # From this many rows of A on, dequantizing into memory first and running the bf16 matmul beats
 # dequantizing in registers (each B tile is decoded once per M tile there).
 DEQUANTIZE_FIRST_MIN_M = 512
@@ -500,6 +666,8 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and M <= GEMV_MAX_M and b.data.data_ptr() % 4 == 0:
         _one_row(a_data, b, c, N, K, bias, tensor_scale)
+    elif a_fmt == "bf16" and b.fmt != "mxfp8" and _wgmma_fits(b, M, N, K):
+        _wgmma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and b.fmt != "mxfp8" and M <= MMA_MAX_M and b.data.data_ptr() % 4 == 0:
         _mma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     else:
@@ -635,7 +803,59 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     _launch_planned(_launch_mma, grid, args, constexprs, entries, bias, tensor_scale)
 
 
+
 _mma_plans = runtime.PlanTable()
+
+# Rows of a bf16 A from which fp4 weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
+# and its launch shapes by the tokens of x a program takes: (BLOCK_N, STAGES, programs an SM
+# that split-K aims at). scripts/sweep_scaled_matmul.py --wgmma, H100, K 8192, GPU time alone:
+# (64, 3, 8) is best or within 5 us of it at M 16, 32 and 64 (nvfp4 M 64 N 28672 143 us against
+# _mma_kernel's 171, M 16 N 28672 70 against 85).
+# Up to 16 rows a weight under WGMMA_MIN_WEIGHT elements stays on _mma_kernel: at N = K = 8192 its
+# bench time was 34 us against 36-46 (the wgmma grid is 128 tiles of B, the kernel's prologue and
+# split-K epilogue weigh more there), at N = 28672 95 against 79.
+WGMMA_MIN_M = 9
+WGMMA_MIN_WEIGHT = 2**27
+WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 3, 8), 64: (64, 3, 8)}
+
+
+def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
+    return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= MMA_MAX_M and (M > 16 or N * K >= WGMMA_MIN_WEIGHT)
+            and K % WGMMA_STEP_K == 0 and b.data.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(b.data.device) == (9, 0))
+
+
+def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
+    """bf16 x (M, K) times fp4 B on Hopper: _wgmma_kernel, planned once per signature and
+    replayed (B's TMA descriptor is part of the plan)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    b_scales = b.scales.view(torch.uint8)
+    bias_arg = bias if bias is not None else c
+    scale_arg = tensor_scale if tensor_scale is not None else c
+    key = (M, N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
+           b.data.data_ptr(), b.data.stride(0), b_scales.stride(0), x.stride(0),
+           *(t.data_ptr() % 16 for t in (x, bias_arg)))
+    plan = _wgmma_plans.get(key)
+    if plan is None:
+        tokens = max(16, runtime.next_power_of_2(M))
+        block_n, stages, per_sm = WGMMA_SHAPES[tokens]
+        tiles = runtime.cdiv(N, block_n)
+        split, k_per_split = _split_k(tiles, K, WGMMA_STEP_K, c.device, per_sm)
+        words = b.data.view(torch.int32)
+        b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, 16],
+                                  gl.NVMMASharedLayout.get_default_for([block_n, 16], gl.int32))
+        constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages, num_warps=4)
+        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc]
+        _wgmma_plans.put(key, plan)
+    grid, split, steps_per_split, constexprs, entries, b_desc = plan
+    ws, counters = _split_buffers(split, N, c, grid[0])
+    args = (x, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, steps_per_split,
+            x.stride(0), b_scales.stride(0), c.stride(0))
+    _launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
+
+
+_wgmma_plans = runtime.PlanTable()
 
 
 def _dequantize_first(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
