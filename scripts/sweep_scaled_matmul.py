@@ -140,18 +140,10 @@ original = sm._launch_shape
 original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 only = args[0] if args else ""
-if "--paths" in sys.argv:
-    sweep_paths(only)
-    sys.exit()
-if "--gemv" in sys.argv:
-    sweep_gemv(only)
-    sys.exit()
-if "--mma" in sys.argv:
-    sweep_mma(only)
-    sys.exit()
-if "--wgmma" in sys.argv:
-    sweep_wgmma(only)
-    sys.exit()
+for flag, sweep in (("--paths", sweep_paths), ("--gemv", sweep_gemv), ("--mma", sweep_mma), ("--wgmma", sweep_wgmma)):
+    if flag in sys.argv:
+        sweep(only)
+        sys.exit()
 for label, M, N, K, fa, fb, shapes in CASES:
     if only not in label:
         continue

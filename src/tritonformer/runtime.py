@@ -79,6 +79,12 @@ def num_sms(device_index: int = 0) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device_index: int = 0) -> tuple[int, int]:
+    """A CUDA device's compute capability, looked up once: dispatch asks for it every call."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _tuning_bench(fn, quantiles):
     # Triton's default times each config for 25 + 100 ms; 10 + 40 ms still gives a kernel of
     # 1 ms forty samples, and a first training step tunes a dozen configs.

@@ -409,7 +409,6 @@ def _mma_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr,
                         c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
 
-
 # A wgmma step takes 128 of K: 16 int32 words of codes a row of B.
 WGMMA_STEP_K = 128
 _E2M1_HALVES_PTX = gl.constexpr(quant._e2m1_word_times_ptx(False, halves=True))
@@ -803,7 +802,6 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     _launch_planned(_launch_mma, grid, args, constexprs, entries, bias, tensor_scale)
 
 
-
 _mma_plans = runtime.PlanTable()
 
 # Rows of a bf16 A from which fp4 weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
@@ -822,7 +820,7 @@ WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 3, 8), 64: (64, 3, 8)}
 def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
     return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= MMA_MAX_M and (M > 16 or N * K >= WGMMA_MIN_WEIGHT)
             and K % WGMMA_STEP_K == 0 and b.data.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(b.data.device) == (9, 0))
+            and runtime.capability(b.data.device.index or 0) == (9, 0))
 
 
 def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
