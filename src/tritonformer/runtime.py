@@ -234,6 +234,20 @@ class PlanTable(dict):
         self[key] = plan
 
 
+_thread_state = threading.local()
+
+
+def _bind_cuda_context(device: int) -> None:
+    """Make the device's CUDA context current on this thread, once a thread. Host-made tensor
+    descriptors are encoded by the driver before a launch and need one, and a thread that has
+    made no CUDA runtime call may have none: the autograd engine's own threads, where a backward
+    can replay a planned launch as its first CUDA work ("invalid device context")."""
+    if getattr(_thread_state, "bound", False):
+        return
+    torch.cuda.current_stream(device).query()  # a runtime call binds the primary context
+    _thread_state.bound = True
+
+
 class FastLaunch:
     """`kernel[grid](*args, **kwargs)` at a fraction of the host cost, with the runtime arguments
     passed by position and the constexprs and launch options by keyword.
@@ -255,6 +269,8 @@ class FastLaunch:
     def __call__(self, grid: tuple, *args, **kwargs) -> tuple:
         """Launch; returns the entry that `replay` takes for later arguments of this class."""
         device = None if INTERPRET else torch.cuda.current_device()
+        if device is not None:
+            _bind_cuda_context(device)
         key = device, _specialization_key(args), tuple(kwargs.items())
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
@@ -280,6 +296,7 @@ class FastLaunch:
             self.kernel[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
+        _bind_cuda_context(device)
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,

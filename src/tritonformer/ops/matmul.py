@@ -11,7 +11,8 @@ operands read in place. Split-K takes over when the output has too few tiles to 
 (small M): partial sums go to a float32 workspace, and the last split to finish a tile adds them
 up and applies the epilogue (no second launch). TMA needs 16-byte aligned rows; an operand whose
 rows are not gets copied once into a padded buffer (cheaper than unvectorized loads, see
-docs/perf-notes.md).
+docs/perf-notes.md), except in small products (POINTER_LOADS_MAX_WORK), where the copies' launches
+would cost more than the product: there the kernel reads both operands with masked pointer loads.
 
 Backward (float operands): dpre = dout * act'(pre), da = dpre @ b^T, db = a^T @ dpre,
 dbias = sum of dpre over rows; both products run on the same kernel, transposes read in place.
@@ -38,6 +39,9 @@ SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR = 0, 1, 2
 # Split K only when fewer output tiles than this fraction of the SMs would run.
 SPLIT_K_MAX = 8
 SPLIT_K_MIN_K_PER_SPLIT = 512
+# Up to this many multiply-adds (batch M N K) an operand that TMA cannot read is read with pointer
+# loads instead of being copied into a padded buffer first.
+POINTER_LOADS_MAX_WORK = 2**28
 
 
 def _configs():
@@ -196,7 +200,8 @@ def split_k_total(acc, ws_ptr, counter_ptr, tile_id, split, rm, rn, M, N, SPLIT_
 @runtime.autotune(
     configs=_configs(),
     # The epilogue is in the key: an erf-GELU on a 128x256 float32 tile needs other tiles than none.
-    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS", "HAS_BIAS", "ACTIVATION", "STORE_PRE"],
+    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS", "HAS_BIAS", "ACTIVATION", "STORE_PRE",
+         "POINTER_LOADS"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -208,11 +213,13 @@ def _matmul_kernel(
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
     STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
+    POINTER_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # HOST_DESCRIPTORS: a_ptr and b_ptr are tensor descriptors made on the host (_host_descriptor);
     # otherwise they are made here, which costs a launch about 2 us before its first load.
-    if HOST_DESCRIPTORS:
+    # POINTER_LOADS: neither; a_ptr and b_ptr are read through their strides, masked.
+    if HOST_DESCRIPTORS or POINTER_LOADS:
         a_desc = a_ptr
         b_desc = b_ptr
     else:
@@ -247,24 +254,31 @@ def _matmul_kernel(
             k_begin = split * k_tiles_per_split
             k_end = tl.minimum(k_begin + k_tiles_per_split, k_tiles)
 
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(k_begin, k_end):
             off_k = kt * BLOCK_K
-            if A_TRANS:
-                a = a_desc.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
+            if POINTER_LOADS:
+                rk = off_k + tl.arange(0, BLOCK_K)
+                a = tl.load(a_ptr + batch.to(tl.int64) * stride_ab + rm.to(tl.int64)[:, None] * stride_am
+                            + rk[None, :] * stride_ak, mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+                b = tl.load(b_ptr + batch.to(tl.int64) * stride_bb + rk.to(tl.int64)[:, None] * stride_bk
+                            + rn[None, :] * stride_bn, mask=(rk < K)[:, None] & (rn < N)[None, :], other=0.0)
             else:
-                a = a_desc.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
-            if B_TRANS:
-                b = b_desc.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
-            else:
-                b = b_desc.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+                if A_TRANS:
+                    a = a_desc.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
+                else:
+                    a = a_desc.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
+                if B_TRANS:
+                    b = b_desc.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    b = b_desc.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
         finish = True
         if SPLIT_K > 1:
             # Split-K runs only on a batch of one (_split_k), so t names the tile.
@@ -277,23 +291,61 @@ def _matmul_kernel(
             )
 
 
-def _tma_operand(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
-    """(tensor, strides, transposed) for reading the (batch, rows, cols) matrix `shape` with
-    `strides` from `t` through TMA: row-major (transposed=False) or column-major (True) with a
-    16-byte aligned base and strides. Copies into a padded row-major buffer only when neither."""
+def _tma_layout(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
+    """(strides, transposed) for reading the (batch, rows, cols) matrix `shape` with `strides` from
+    `t` in place through TMA: row-major (transposed=False) or column-major (True) with a 16-byte
+    aligned base and strides; None when it is neither."""
     align = 16 // t.element_size()
     sb, sr, sc = strides
     aligned_base = t.data_ptr() % 16 == 0
-    # A broadcast batch (stride 0) is copied too: TMA wants every stride positive.
+    # A broadcast batch (stride 0) is not either: TMA wants every stride positive.
     if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb > 0:
-        return t, (sb, sr, 1), False
+        return (sb, sr, 1), False
     if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb > 0:
-        return t, strides, True
+        return strides, True
+    return None
+
+
+@triton.jit
+def _padded_copy_kernel(src_ptr, dst_ptr, ROWS, COLS, stride_sb, stride_sr, stride_sc, stride_db, stride_dr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One (BLOCK_R, BLOCK_C) tile of dst[b] = src[b], matrices of (ROWS, COLS); dst row-major."""
+    tiles_c = tl.cdiv(COLS, BLOCK_C)
+    tiles = tl.cdiv(ROWS, BLOCK_R) * tiles_c
+    batch = (tl.program_id(0) // tiles).to(tl.int64)
+    tile = tl.program_id(0) % tiles
+    r = (tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = (tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < ROWS)[:, None] & (c < COLS)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    x = tl.load(src_ptr + batch * stride_sb + r64 * stride_sr + c[None, :] * stride_sc, mask=mask)
+    tl.store(dst_ptr + batch * stride_db + r64 * stride_dr + c[None, :], x, mask=mask)
+
+
+_launch_padded_copy = runtime.FastLaunch(_padded_copy_kernel)
+PADDED_COPY_TILE = (32, 128)
+
+
+def _padded_copy(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
+    """(copy, again): the (batch, rows, cols) matrix `shape` read with `strides` from `t`, copied
+    row-major with its rows padded to 16 bytes (what TMA reads), and `again(t)`, which makes the
+    same copy of another tensor of the same layout by replaying the launch: torch's copy_ and the
+    views around it cost several times that host time, which decides a mid-size product's time."""
+    align = 16 // t.element_size()
     batch, rows, cols = shape
-    padded_cols = -(-cols // align) * align
-    buf = torch.empty((batch, rows, padded_cols), dtype=t.dtype, device=t.device)[..., :cols]
-    buf.copy_(torch.as_strided(t, shape, strides, t.storage_offset()))
-    return buf, buf.stride(), False
+    padded_shape = (batch, rows, -(-cols // align) * align)
+    block_r, block_c = PADDED_COPY_TILE
+    grid = (batch * runtime.cdiv(rows, block_r) * runtime.cdiv(cols, block_c),)
+    scalars = (rows, cols, *strides, rows * padded_shape[2], padded_shape[2])
+    buf = runtime.empty(padded_shape, t.dtype, t.device)
+    entry = _launch_padded_copy(grid, t, buf, *scalars, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+    def again(t: torch.Tensor) -> torch.Tensor:
+        buf = runtime.empty(padded_shape, t.dtype, t.device)
+        _launch_padded_copy.replay(entry, grid, t, buf, *scalars)
+        return buf
+
+    return buf[..., :cols], again
 
 
 def _programs_per_sm(meta: dict, element_size: int) -> int:
@@ -340,11 +392,24 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     by base tensors and strides; pre, when given, shares c's strides.
 
     Returns a replay `(a, b, c, pre, bias, scale_a, scale_b) -> None` that issues the same
-    launches for new tensors of the same shapes, strides, dtypes and alignment, or None when
-    this call copied an operand or the autotuner has just chosen the config."""
-    a_in, b_in = a, b
-    a, a_strides, a_trans = _tma_operand(a, (batch, M, K), a_strides)
-    b, b_strides, b_trans = _tma_operand(b, (batch, K, N), b_strides)
+    launches (and padded copies) for new tensors of the same shapes, strides, dtypes and
+    alignment, or None when the autotuner has just chosen the config."""
+    a_layout, b_layout = _tma_layout(a, (batch, M, K), a_strides), _tma_layout(b, (batch, K, N), b_strides)
+    pointer_loads = (a_layout is None or b_layout is None) and batch * M * N * K <= POINTER_LOADS_MAX_WORK
+    # Operands that TMA cannot read in place are copied padded, anew each call (copy_a(a)).
+    copy_a = copy_b = None
+    a_trans = b_trans = False
+    if not pointer_loads:
+        if a_layout is None:
+            a, copy_a = _padded_copy(a, (batch, M, K), a_strides)
+            a_strides = a.stride()
+        else:
+            a_strides, a_trans = a_layout
+        if b_layout is None:
+            b, copy_b = _padded_copy(b, (batch, K, N), b_strides)
+            b_strides = b.stride()
+        else:
+            b_strides, b_trans = b_layout
     split_k = _split_k(M, N, K, batch, a.device)
     # Split-K's arrival counters, one a tile: 16 x 16 tiles bound every config's tile count.
     counters_needed = runtime.cdiv(M, 16) * runtime.cdiv(N, 16) if split_k > 1 else 0
@@ -374,25 +439,35 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         return (_host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
                 _host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
 
-    key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None)
+    key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None,
+           pointer_loads)
     constexprs = dict(
         A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
         UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
+        POINTER_LOADS=pointer_loads,
     )
     # The autotuner times configs with descriptors made on the device (one kernel argument list
     # fits every config); the chosen config then runs with descriptors made on the host.
     runtime.ensure_tma_allocator()
     main = _launch_matmul(
         key, grid, *main_args(a, b, c, pre, bias, scale_a, scale_b), **constexprs, HOST_DESCRIPTORS=False,
-        fitted=lambda config: (main_args(*descriptors(a, b, config), c, pre, bias, scale_a, scale_b),
-                               dict(**constexprs, HOST_DESCRIPTORS=True)))
-    if a is not a_in or b is not b_in or main is None:
+        fitted=None if pointer_loads else lambda config: (
+            main_args(*descriptors(a, b, config), c, pre, bias, scale_a, scale_b),
+            dict(**constexprs, HOST_DESCRIPTORS=True)))
+    if main is None:
         return None
     main_entry, main_grid = main
+    if pointer_loads:
+        def replay(a, b, c, pre, bias, scale_a, scale_b):
+            _launch_matmul.launch.replay(main_entry, main_grid, *main_args(a, b, c, pre, bias, scale_a, scale_b))
+
+        return replay
     a_desc, b_desc = descriptors(a, b, _launch_matmul.chosen[key])
 
     def replay(a, b, c, pre, bias, scale_a, scale_b):
+        a = a if copy_a is None else copy_a(a)
+        b = b if copy_b is None else copy_b(b)
         _launch_matmul.launch.replay(main_entry, main_grid, *main_args(
             runtime.rebased(a_desc, a), runtime.rebased(b_desc, b), c, pre, bias, scale_a, scale_b))
 
