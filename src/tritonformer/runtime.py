@@ -269,8 +269,6 @@ class FastLaunch:
     def __call__(self, grid: tuple, *args, **kwargs) -> tuple:
         """Launch; returns the entry that `replay` takes for later arguments of this class."""
         device = None if INTERPRET else torch.cuda.current_device()
-        if device is not None:
-            _bind_cuda_context(device)
         key = device, _specialization_key(args), tuple(kwargs.items())
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
@@ -281,6 +279,8 @@ class FastLaunch:
             pending = self.compiling.pop(key, None)
             if pending is not None:
                 pending.exception()  # compiled ahead: the launch below finds it in Triton's cache
+            if device is not None:
+                _bind_cuda_context(device)
             compiled = self.kernel[grid](*args, **kwargs)
             constexprs = tuple(kwargs[name] for name in self.kernel.arg_names[len(args):])
             entry = self.entries[key] = (compiled, constexprs, kwargs)
