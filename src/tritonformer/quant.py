@@ -21,10 +21,12 @@ Rounding and saturation:
   rounds to zero is stored as +0.
 - nvfp4 (NVIDIA's recipe): tensor scale s = amax(x) / (448 * 6) (1 for an all-zero tensor);
   block scale = e4m3(amax(block) / 6 / s), rounded to nearest even (it cannot exceed 448);
-  elements = e2m1(x / (block scale * s)), rounded to nearest even and saturated at 6; a block
-  whose scale rounds to 0 has zero elements. Non-finite inputs are not supported by the recipe
-  (its tensor scale is then meaningless). Dequantized: element times block scale (exact in float32),
-  times the tensor scale (one rounding).
+  elements = e2m1(x * r) with r = min(1 / (block scale * s), float32's max), correctly rounded
+  once a block: a multiply an element, as NVIDIA's TransformerEngine quantizes (a division would
+  differ only within an ulp of a rounding tie, and for products under 2^-128); rounded to nearest even
+  and saturated at 6; a block whose scale rounds to 0 has zero elements. Non-finite inputs are
+  not supported by the recipe (its tensor scale is then meaningless). Dequantized: element times
+  block scale (exact in float32), times the tensor scale (one rounding).
 
 Storage: `data` is (rows, K) float8_e4m3fn for mxfp8, or (rows, K / 2) uint8 for the fp4
 formats, the element of even index in the low nibble (sign in bit 3, then 2 exponent bits, 1
@@ -97,14 +99,14 @@ def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
 # ---- the kernel ----
 
 # The GPU rounds with its own instructions: e4m3 by cvt.rn.satfinite (nearest even, saturating at
-# 448), quotients by a multiply and two FMAs. Triton 3.6's interpreter rounds fp8 conversions half
-# up and evaluates tl.fma with two roundings: there the kernel rounds to e4m3 with float32
-# arithmetic and divides with div_rn.
+# 448), nvfp4's block-scale quotients by a multiply and two FMAs. Triton 3.6's interpreter rounds
+# fp8 conversions half up and evaluates tl.fma with two roundings: there the kernel rounds to e4m3
+# with float32 arithmetic and divides with div_rn.
 _GPU_ROUNDING = tl.constexpr(not runtime.INTERPRET)
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _FLOAT32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
-# nvfp4 divides by reciprocals, without flushing subnormals, from this tensor scale up: see
-# _nvfp4_fast.
+# nvfp4 takes its block scales' quotients from reciprocals, and flushes no subnormal, from this
+# tensor scale up: see _nvfp4_fast.
 _NVFP4_FAST_SCALE = tl.constexpr(2.0**-80)
 _NVFP4_TENSOR_DIV = tl.constexpr(NVFP4_TENSOR_DIV)
 
@@ -201,56 +203,53 @@ def _mxfp4_code(x, exp):
 
 
 @triton.jit
-def _nvfp4_code(q, x):
-    """The code of element x whose quotient by its block's divisor is q or -q; |q| <= 0.25 rounds
-    to +0."""
-    a = tl.minimum(tl.abs(q), 6.0)
-    return _e2m1_code(a, 0) | tl.where((x < 0) & (a > 0.25), 8, 0)
+def _nvfp4_code(q):
+    """The code of q = x r (the element times its block's reciprocal; sign in bit 3), saturated at
+    6; +0 where |q| rounds to 0."""
+    code = _e2m1_code(tl.minimum(tl.abs(q), 6.0), 0)
+    # Bits 3-22 of code are 0, so bit 3 of code + 7 is set exactly when its bits 0-2 are not.
+    return code | ((q.to(tl.int32, bitcast=True) >> 28) & (code + 7) & 8)
 
 
 @triton.jit
 def _div_by_reciprocal(x, d, r):
     """x / d correctly rounded from r, 1 / d correctly rounded (Markstein: with no underflow, the
-    residual x - q d of q = x r is exact, and q + residual * r rounds to the quotient); 0 where d
-    and r are 0."""
+    residual x - q d of q = x r is exact, and q + residual * r rounds to the quotient)."""
     q = x * r
     return tl.fma(tl.fma(q, -d, x), r, q)
 
 
 @triton.jit
-def _div_flushed(x, d):
-    """x / d correctly rounded, x flushed to zero below float32's smallest normal; 0 where d is 0."""
-    x = tl.where(tl.abs(x) < _FLOAT32_MIN_NORMAL, 0.0, x)
-    return tl.where(d[:, None] > 0, tl.math.div_rn(x, tl.where(d > 0, d, 1.0)[:, None]), 0.0)
+def _nvfp4_block_reciprocal(scale, s):
+    """The elements' factor r = 1 / (block scale * s) correctly rounded, at most float32's max (the
+    product can be under 2^-128 when s is tiny), 0 where the product is 0."""
+    d = scale.to(tl.float32) * s
+    return tl.where(d > 0, tl.minimum(tl.math.div_rn(1.0, tl.where(d > 0, d, 1.0)), _FLOAT32_MAX), 0.0)[:, None]
 
 
 @triton.jit
 def _nvfp4_exact(lo, hi, amax, s):
-    """Block scales (e4m3) from block amaxes and tensor scale s, and the quotients lo / d, hi / d
-    (d = block scale * s) that the elements' codes round: as the recipe, with IEEE divisions."""
+    """Block scales (e4m3) from block amaxes and tensor scale s with IEEE divisions, and the
+    elements (subnormals flushed) times their block's reciprocal."""
     scale = _to_e4m3(tl.math.div_rn(tl.math.div_rn(amax, 6.0), s))
-    d = scale.to(tl.float32) * s
-    return scale, _div_flushed(lo, d), _div_flushed(hi, d)
+    r = _nvfp4_block_reciprocal(scale, s)
+    lo = tl.where(tl.abs(lo) < _FLOAT32_MIN_NORMAL, 0.0, lo)
+    hi = tl.where(tl.abs(hi) < _FLOAT32_MIN_NORMAL, 0.0, hi)
+    return scale, lo * r, hi * r
 
 
 @triton.jit
 def _nvfp4_fast(lo, hi, amax, s):
-    """_nvfp4_exact by reciprocals (correctly rounded: 1 / 6, 1 / s once, 1 / d once a block), for
-    s >= _NVFP4_FAST_SCALE. Then d, a block scale (at least 2^-9) times s, is at least 2^-89 or 0:
-    the quotient of a subnormal element is under 2^-37 and its code 0, flushed or not; and no
-    residual underflows where it matters: amax / 6 and / s decide a scale only from a quotient of
-    2^-11 up, an element's quotient decides a code from 0.25 up. The quotients are of magnitudes
-    clamped where the code or the scale saturates anyway (amax at 4096 s, |x| at 8 d), so that no
-    product overflows when a given tensor amax is below the blocks'. They are magnitudes: see
-    _nvfp4_code."""
+    """_nvfp4_exact with the block scales' divisions by reciprocals (correctly rounded: 1 / 6 and
+    1 / s once), for s >= _NVFP4_FAST_SCALE, and no flush. Then the product d of a block scale
+    (at least 2^-9) and s is at least 2^-89 or 0: a subnormal element times 1 / d is under 2^-37,
+    code 0 flushed or not; and no residual underflows where it matters (amax / 6 and / s decide a
+    scale only from a quotient of 2^-11 up). amax is clamped where the scale saturates anyway (at
+    4096 s), so that no product overflows when a given tensor amax is below the blocks'."""
     amax = tl.minimum(amax, 4096.0 * s)
     scale = _to_e4m3(_div_by_reciprocal(_div_by_reciprocal(amax, 6.0, 1.0 / 6.0), s, tl.math.div_rn(1.0, s)))
-    d = scale.to(tl.float32) * s
-    r = tl.where(d > 0, tl.math.div_rn(1.0, d), 0.0)[:, None]
-    top = 8.0 * d[:, None]
-    q_lo = _div_by_reciprocal(tl.minimum(tl.abs(lo), top), d[:, None], r)
-    q_hi = _div_by_reciprocal(tl.minimum(tl.abs(hi), top), d[:, None], r)
-    return scale, q_lo, q_hi
+    r = _nvfp4_block_reciprocal(scale, s)
+    return scale, lo * r, hi * r
 
 
 @triton.jit
@@ -263,7 +262,7 @@ def _nvfp4_quantize(lo, hi, amax, s):
             scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
     else:
         scale, q_lo, q_hi = _nvfp4_exact(lo, hi, amax, s)
-    return scale, _nvfp4_code(q_lo, lo), _nvfp4_code(q_hi, hi)
+    return scale, _nvfp4_code(q_lo), _nvfp4_code(q_hi)
 
 
 @triton.jit
@@ -790,10 +789,12 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1,
         tensor_scale = s.reshape(1)
         # Saturated: a given tensor_amax may be below a block's amax.
         scales = (amax.float() / six / s).clamp(max=448.0).to(torch.float8_e4m3fn)
-        # The recipe's arithmetic is float32: x / (block scale * tensor scale), correctly rounded.
+        # The recipe's arithmetic is float32: x times 1 / (block scale * tensor scale), the
+        # reciprocal correctly rounded once a block.
         denom = scales.float() * s
-        safe = torch.where(denom > 0, denom, 1.0)[..., None]
-        scaled = torch.where(denom[..., None] > 0, blocks.float() / safe, 0.0).double()
+        one = torch.ones((), device=x.device)
+        recip = torch.where(denom > 0, (one / torch.where(denom > 0, denom, 1.0)).clamp(max=torch.finfo(torch.float32).max), 0.0)
+        scaled = (blocks.float() * recip[..., None]).double()
     else:
         finite = torch.isfinite(amax) & ~blocks.isnan().any(-1)
         safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
