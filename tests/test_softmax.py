@@ -28,6 +28,20 @@ def test_looped_kernel_on_rows_longer_than_a_block(device, monkeypatch):
     assert_close(dx, yd * (dy.double() - (yd * dy.double()).sum(-1, keepdim=True)), torch.float32)
 
 
+@pytest.mark.parametrize("cols,dim", [(100, -1), (64, -1), (90, 0)])
+def test_backward_in_halves(cols, dim, device, monkeypatch):
+    # The backward that keeps y and reads dy's first half twice, forced on short rows: a second
+    # half partly masked (100 of 128), exactly full (64), and dy read through a stride (dim 0).
+    monkeypatch.setattr(softmax_op, "BWD_HALVES_MIN_N", 64)
+    shape = (cols, 5) if dim == 0 else (5, cols)
+    x = (torch.randn(shape, device=device) * 3).requires_grad_(True)
+    y = tf.softmax(x, dim)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    yd = torch.softmax(x.double(), dim)
+    assert_close(dx, yd * (dy.double() - (yd * dy.double()).sum(dim, keepdim=True)), torch.float32)
+
+
 def test_masked_rows_with_minus_inf(device):
     x = torch.randn(4, 33, device=device)
     x[:, 10:] = float("-inf")

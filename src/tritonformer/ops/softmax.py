@@ -23,9 +23,10 @@ from ..bench.runner import short_dtype
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 # A 32-warp program holds 32768 fp32 values in 32 registers per thread: the largest row kept
-# on chip without spilling. The backward holds y and dy and spills there, yet still beats the
-# looped kernel (2.55 against 1.79 TB/s at 4096x32768 fp32, H100; docs/perf-notes.md).
+# on chip without spilling. The backward's y and dy would fill all 64 registers of a thread at
+# 32 warps and spill; from BWD_HALVES_MIN_N it holds y and half of dy (docs/perf-notes.md).
 FUSED_MAX_N = 32768
+BWD_HALVES_MIN_N = 32768
 LOOP_CHUNK = 4096
 # Aim for this many elements per program: enough loads in flight per thread.
 ELEMENTS_PER_PROGRAM = 4096
@@ -76,17 +77,37 @@ def _softmax_fwd_looped_kernel(x_ptr, y_ptr, N, stride_xm, stride_xn, stride_ym,
 @triton.jit
 def _softmax_bwd_kernel(
     y_ptr, dy_ptr, dx_ptr, M, N, stride_ym, stride_dym, stride_dyn, stride_dxm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
 ):
+    """dx = y (dy - rowsum(y dy)), rows held in registers. With HALVES the row is two halves and
+    only y stays in registers throughout: dy's first half is read again (from L2) after the
+    second half's dx is written, so a thread holds three half rows at most instead of four."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
-    y = tl.load(y_ptr + rows64 * stride_ym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-    dot = tl.sum(y * dy, axis=1)
-    dx = y * (dy - dot[:, None])
-    tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if HALVES:
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = tl.arange(0, HALF)[None, :]
+        mask0 = (rows[:, None] < M) & (cols < N)
+        mask1 = (rows[:, None] < M) & (cols + HALF < N)
+        y0 = tl.load(y_ptr + rows64 * stride_ym + cols, mask=mask0, other=0.0).to(tl.float32)
+        y1 = tl.load(y_ptr + rows64 * stride_ym + HALF + cols, mask=mask1, other=0.0).to(tl.float32)
+        dy_row = dy_ptr + rows64 * stride_dym
+        dy0 = tl.load(dy_row + cols * stride_dyn, mask=mask0, other=0.0).to(tl.float32)
+        dot = tl.sum(y0 * dy0, axis=1)
+        dy1 = tl.load(dy_row + (cols + HALF) * stride_dyn, mask=mask1, other=0.0).to(tl.float32)
+        dot = (dot + tl.sum(y1 * dy1, axis=1))[:, None]
+        tl.store(dx_ptr + rows64 * stride_dxm + HALF + cols, (y1 * (dy1 - dot)).to(dx_ptr.dtype.element_ty),
+                 mask=mask1)
+        dy0 = tl.load(dy_row + cols * stride_dyn, mask=mask0, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows64 * stride_dxm + cols, (y0 * (dy0 - dot)).to(dx_ptr.dtype.element_ty), mask=mask0)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        y = tl.load(y_ptr + rows64 * stride_ym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, axis=1)
+        dx = y * (dy - dot[:, None])
+        tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -202,7 +223,7 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _launch_shape(N)
         _launch_bwd((runtime.cdiv(M, block_m),), y_rows, dy_rows, dx_rows, M, N, stride_ym, stride_dym, stride_dyn, N,
-                    BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+                    BLOCK_M=block_m, BLOCK_N=block_n, HALVES=block_n >= BWD_HALVES_MIN_N, num_warps=num_warps)
     else:
         _launch_bwd_looped((M,), y_rows, dy_rows, dx_rows, N, stride_ym, stride_dym, stride_dyn, N,
                            CHUNK=LOOP_CHUNK, num_warps=8)
@@ -258,6 +279,7 @@ def _test_cases() -> list[TestCase]:
             case(f"{name}-7x123", (7, 123), dt),
             case(f"{name}-3x5x1000", (3, 5, 1000), dt),
             case(f"{name}-dim0", (37, 11), dt, dim=0),
+            case(f"{name}-3x{FUSED_MAX_N}", (3, FUSED_MAX_N), dt),
             case(f"{name}-looped-2x{FUSED_MAX_N + 77}", (2, FUSED_MAX_N + 77), dt),
             case(f"{name}-4096x4096", (4096, 4096), dt, gpu_only=True),
             case(f"{name}-8x262144", (8, 262144), dt, gpu_only=True),
