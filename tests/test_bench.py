@@ -193,7 +193,17 @@ def test_report_merges_runs_taken_in_parts(monkeypatch, tmp_path):
     _, rerun = _read_csv(tmp_path / "c" / "results.csv")
     assert {r["ms"] for r in rows if r["op"] == "one"} == {r["ms"] for r in rerun}
     report = (tmp_path / "merged" / "report.md").read_text()
-    assert "## one" in report and "## two" in report
+    assert "## one" in report and "## two" in report and "Timer: " in report
+    # Runs timed by different harness versions: the report says which ops each timer covers.
+    path = tmp_path / "b" / "results.csv"
+    columns, rows = _read_csv(path)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({**r, "timer": "an older timer"} for r in rows)
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "mixed")]) == 0
+    mixed = (tmp_path / "mixed" / "report.md").read_text()
+    assert "Timers:" in mixed and "- an older timer: two" in mixed
     assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
 
 

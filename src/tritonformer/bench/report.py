@@ -203,8 +203,15 @@ def markdown_report(rows: list[dict], ceilings: dict[str, Any], images: dict[str
         parts += [f"> {INTERPRETER_WARNING}", ""]
     parts += ["| | |", "|---|---|"]
     parts += [f"| {label} | {_cell(value)} |" for label, value in ceiling_lines(ceilings)]
-    if rows:
-        parts += ["", f"Timer: {rows[0]['timer']}."]
+    timers: dict[str, list[str]] = {}
+    for row in rows:
+        ops = timers.setdefault(row["timer"], [])
+        if row["op"] not in ops:
+            ops.append(row["op"])
+    if len(timers) == 1:
+        parts += ["", f"Timer: {next(iter(timers))}."]
+    elif timers:  # a merged report: runs of different harness versions
+        parts += ["", "Timers:"] + [f"- {timer}: {', '.join(ops)}" for timer, ops in timers.items()]
     parts += [
         "",
         "Figures are GB/s for cases that move a known number of bytes, otherwise TFLOP/s. "

@@ -27,7 +27,7 @@ OURS = "tritonformer"
 CHECK_OK = "ok"
 NO_REFERENCE = "no reference"
 
-GPU_TIMER = "gpu: triton do_bench median"
+GPU_TIMER = "gpu: triton do_bench median (under 0.1 ms: median of 5 rounds alternating the providers)"
 INTERPRETER_TIMER = "cpu-interpreter: perf_counter median, NOT GPU timings"
 
 COLUMNS = [
@@ -56,6 +56,11 @@ INTERPRETER_MAX_CALLS = 3
 INTERPRETER_BUDGET_S = 1.0
 
 COPY_CEILING_BYTES = 1 << 30
+# A case this short moves 10-15% between single do_bench runs (the L2 flush's write-backs, clocks;
+# softmax bf16 4096x4096 read 0.85x Liger in one, within 0.4% over five interleaved): it is timed
+# in this many rounds that alternate the providers, and each provider's median round is kept.
+SHORT_CASE_MS = 0.1
+SHORT_CASE_ROUNDS = 5
 FP8_CEILING_SIZE = 8192
 
 
@@ -265,6 +270,12 @@ def _time_providers(bench: Bench, tolerance: object, compare: str) -> tuple[dict
             errors[provider] = describe_error(exc)
         if provider in errors:
             free_device_memory()  # out here, where the traceback no longer holds the tensors
+    if not runtime.INTERPRET and timings and min(timings.values()) < SHORT_CASE_MS:
+        rounds = {provider: [ms] for provider, ms in timings.items()}
+        for _ in range(SHORT_CASE_ROUNDS - 1):
+            for provider, samples in rounds.items():
+                samples.append(_gpu_median_ms(bench.providers[provider]))
+        timings = {provider: statistics.median(samples) for provider, samples in rounds.items()}
     return timings, errors, check, memory
 
 
