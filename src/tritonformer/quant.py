@@ -23,10 +23,11 @@ Rounding and saturation:
   block scale = e4m3(amax(block) / 6 / s), rounded to nearest even (it cannot exceed 448);
   elements = e2m1(x * r) with r = min(1 / (block scale * s), float32's max), correctly rounded
   once a block: a multiply an element, as NVIDIA's TransformerEngine quantizes (a division would
-  differ only within an ulp of a rounding tie, and for products under 2^-128); rounded to nearest even
-  and saturated at 6; a block whose scale rounds to 0 has zero elements. Non-finite inputs are
-  not supported by the recipe (its tensor scale is then meaningless). Dequantized: element times
-  block scale (exact in float32), times the tensor scale (one rounding).
+  differ only within an ulp of a rounding tie, and for products under 2^-128); rounded to
+  nearest even and saturated at 6; a block whose scale rounds to 0 has zero elements.
+  Non-finite inputs are not supported by the recipe (its tensor scale is then meaningless).
+  Dequantized: element times block scale (exact in float32), times the tensor scale (one
+  rounding).
 
 Storage: `data` is (rows, K) float8_e4m3fn for mxfp8, or (rows, K / 2) uint8 for the fp4
 formats, the element of even index in the low nibble (sign in bit 3, then 2 exponent bits, 1
@@ -793,7 +794,8 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1,
         # reciprocal correctly rounded once a block.
         denom = scales.float() * s
         one = torch.ones((), device=x.device)
-        recip = torch.where(denom > 0, (one / torch.where(denom > 0, denom, 1.0)).clamp(max=torch.finfo(torch.float32).max), 0.0)
+        recip = (one / torch.where(denom > 0, denom, 1.0)).clamp(max=torch.finfo(torch.float32).max)
+        recip = torch.where(denom > 0, recip, 0.0)
         scaled = (blocks.float() * recip[..., None]).double()
     else:
         finite = torch.isfinite(amax) & ~blocks.isnan().any(-1)

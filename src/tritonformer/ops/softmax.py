@@ -89,17 +89,16 @@ def _softmax_bwd_kernel(
         cols = tl.arange(0, HALF)[None, :]
         mask0 = (rows[:, None] < M) & (cols < N)
         mask1 = (rows[:, None] < M) & (cols + HALF < N)
-        y0 = tl.load(y_ptr + rows64 * stride_ym + cols, mask=mask0, other=0.0).to(tl.float32)
-        y1 = tl.load(y_ptr + rows64 * stride_ym + HALF + cols, mask=mask1, other=0.0).to(tl.float32)
-        dy_row = dy_ptr + rows64 * stride_dym
+        y_row, dy_row, dx_row = y_ptr + rows64 * stride_ym, dy_ptr + rows64 * stride_dym, dx_ptr + rows64 * stride_dxm
+        y0 = tl.load(y_row + cols, mask=mask0, other=0.0).to(tl.float32)
+        y1 = tl.load(y_row + HALF + cols, mask=mask1, other=0.0).to(tl.float32)
         dy0 = tl.load(dy_row + cols * stride_dyn, mask=mask0, other=0.0).to(tl.float32)
         dot = tl.sum(y0 * dy0, axis=1)
         dy1 = tl.load(dy_row + (cols + HALF) * stride_dyn, mask=mask1, other=0.0).to(tl.float32)
         dot = (dot + tl.sum(y1 * dy1, axis=1))[:, None]
-        tl.store(dx_ptr + rows64 * stride_dxm + HALF + cols, (y1 * (dy1 - dot)).to(dx_ptr.dtype.element_ty),
-                 mask=mask1)
+        tl.store(dx_row + HALF + cols, (y1 * (dy1 - dot)).to(dx_ptr.dtype.element_ty), mask=mask1)
         dy0 = tl.load(dy_row + cols * stride_dyn, mask=mask0, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + rows64 * stride_dxm + cols, (y0 * (dy0 - dot)).to(dx_ptr.dtype.element_ty), mask=mask0)
+        tl.store(dx_row + cols, (y0 * (dy0 - dot)).to(dx_ptr.dtype.element_ty), mask=mask0)
     else:
         cols = tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
