@@ -19,3 +19,31 @@ def test_backward_replays_products_planned_in_the_forward_thread(device):
     torch.testing.assert_close(da, dout @ b.detach().T, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(db, a.detach().T @ dout, rtol=1e-2, atol=1e-2)
 
+
+
+def test_cuda_context_bound_once_a_thread_and_device(monkeypatch):
+    # A thread that launches on device 0, then on device 1, needs device 1's context bound too
+    # (the binding used to be once a thread, whatever the device).
+    import threading
+
+    from tritonformer import runtime
+
+    queried = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def query(self):
+            queried.append(self.device)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+
+    def launches():
+        for device in (0, 0, 1, 0, 1):
+            runtime._bind_cuda_context(device)
+
+    thread = threading.Thread(target=launches)  # a fresh thread: nothing bound yet
+    thread.start()
+    thread.join()
+    assert queried == [0, 1]

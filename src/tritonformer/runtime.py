@@ -238,14 +238,16 @@ _thread_state = threading.local()
 
 
 def _bind_cuda_context(device: int) -> None:
-    """Make the device's CUDA context current on this thread, once a thread. Host-made tensor
-    descriptors are encoded by the driver before a launch and need one, and a thread that has
-    made no CUDA runtime call may have none: the autograd engine's own threads, where a backward
-    can replay a planned launch as its first CUDA work ("invalid device context")."""
-    if getattr(_thread_state, "bound", False):
+    """Make the CUDA context of `device` (the thread's current device) current on this thread,
+    once a thread and device. Host-made tensor descriptors are encoded by the driver before a
+    launch and need one, and a thread that has made no CUDA runtime call may have none: the
+    autograd engine's own threads, where a backward can replay a planned launch as its first CUDA
+    work ("invalid device context"). A thread that moves to another device binds that one too."""
+    bound = _thread_state.__dict__.setdefault("bound_devices", set())
+    if device in bound:
         return
     torch.cuda.current_stream(device).query()  # a runtime call binds the primary context
-    _thread_state.bound = True
+    bound.add(device)
 
 
 class FastLaunch:
