@@ -68,13 +68,18 @@ def record_launches(fmt: str, dtype: torch.dtype = torch.bfloat16, k: int = K) -
     return seen
 
 
-def compile_sass(fn, args, kw) -> tuple[str, int, str]:
-    """(SASS, registers a thread, TTGIR) of one launch compiled for sm_90."""
-    backend = make_backend(TARGET)
+def compile_launch(fn, args, kw, target: GPUTarget = TARGET):
+    """Triton's CompiledKernel of one recorded launch, for `target`."""
+    backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = binder(*args, **kw)
     options, sig, consts, attrs = fn._pack_args(backend, kw, bound, spec, opts)
-    ck = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=options.__dict__)
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+
+
+def compile_sass(fn, args, kw) -> tuple[str, int, str]:
+    """(SASS, registers a thread, TTGIR) of one launch compiled for sm_90."""
+    ck = compile_launch(fn, args, kw)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()

@@ -46,7 +46,7 @@ reads x once, and a block scale that would pass 448 saturates there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,14 @@ class QuantizedTensor:
     shape: torch.Size  # the logical (unquantized) shape
     axis: int  # the quantized axis of `shape`, non-negative
     tensor_scale: torch.Tensor | None = None  # nvfp4's float32 scalar
+    _blocked_scales: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def blocked_scales(self) -> torch.Tensor:
+        """`scales` in the 5D layout (to_blocked) that sm_100's block-scaled MMA reads, made on
+        the first call and kept: a weight pays for the conversion once."""
+        if self._blocked_scales is None:
+            self._blocked_scales = to_blocked(self.scales)
+        return self._blocked_scales
 
     @property
     def block(self) -> int:
