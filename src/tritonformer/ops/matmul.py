@@ -61,6 +61,9 @@ def _configs():
         cfg(64, 128, 64, 4, 4),
         cfg(64, 256, 64, 4, 4),
         cfg(64, 64, 128, 4, 4),
+        # cuBLAS's tile for 128x4096^2 (nvjet 64x64x64): at split 2 two programs an SM, each
+        # with 6 stages in flight
+        cfg(64, 64, 64, 6, 4),
         cfg(128, 128, 32, 4, 8),
         cfg(64, 128, 32, 4, 4),
     ]
