@@ -176,6 +176,16 @@ def _device_descriptor(ptr, BATCH, ROWS, COLS, stride_b, stride_r, stride_c, TRA
 
 
 @triton.jit
+def grouped_tile(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row, column) of output tile t in grouped order: GROUP_M rows of tiles are walked column by
+    column, so that the tiles running at once share their rows of A and columns of B in L2."""
+    tiles_per_group = GROUP_M * tiles_n
+    first_m = t // tiles_per_group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + t % tiles_per_group % group_rows, t % tiles_per_group // group_rows
+
+
+@triton.jit
 def split_k_total(acc, ws_ptr, counter_ptr, tile_id, split, rm, rn, M, N, SPLIT_K: tl.constexpr):
     """Split-K without a second launch. Each split stores its float32 partial tile in ws
     (SPLIT_K, M, N) and counts itself in at counter_ptr[tile_id]; the split that arrives last
@@ -235,7 +245,6 @@ def _matmul_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     num_tiles = BATCH * SPLIT_K * tiles_per_matrix
-    tiles_per_group = GROUP_M * tiles_n
 
     # Without a split, the tile loop flattens into the K loop so that loads for the next tile
     # start while this one finishes (no pipeline drain between tiles).
@@ -244,10 +253,7 @@ def _matmul_kernel(
         batch = matrix // SPLIT_K
         split = matrix % SPLIT_K
         t = tile % tiles_per_matrix
-        first_m = (t // tiles_per_group) * GROUP_M
-        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (t % tiles_per_group) % group_rows
-        pid_n = (t % tiles_per_group) // group_rows
+        pid_m, pid_n = grouped_tile(t, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if SPLIT_K == 1:

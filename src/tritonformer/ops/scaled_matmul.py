@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import quant, runtime
-from .matmul import _epilogue_store, _one_matrix_strides, _replay_key, split_k_total
+from .matmul import _epilogue_store, _one_matrix_strides, _replay_key, grouped_tile, split_k_total
 from .matmul import _launch as _launch_matmul
 from ..quant import FORMATS, QuantizedTensor
 from ..spec import Bench, BenchCase, OpSpec, TestCase
@@ -583,13 +583,7 @@ def _dot_scaled_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, bias_ptr, 
     are in the 5D layout (quant.to_blocked) viewed as (row blocks of 128, scale_cols): a step of
     K reads whole 512-byte chunks (128 rows x 4 scales), the form that sm_100 copies into tensor
     memory for the MMA (loaded as bytes and bitcast, nvfp4's would go through registers)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = pid // tiles_per_group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + pid % tiles_per_group % group_rows
-    pid_n = pid % tiles_per_group // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     A_PACK: tl.constexpr = 2 if A_DOT == "e2m1" else 1
     B_PACK: tl.constexpr = 2 if B_DOT == "e2m1" else 1
     CHUNKS: tl.constexpr = BLOCK_K // VEC // 4
