@@ -88,6 +88,35 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
+# The epilogue's exp2 and reciprocal as single MUFU instructions need inline PTX; the interpreter
+# runs the same functions on Triton's own math.
+_PTX_MATH = tl.constexpr(not runtime.INTERPRET)
+
+
+@triton.jit
+def _exp2(x):
+    """2^x as one MUFU.EX2 (ex2.approx.ftz: 2 ulp, results under 2^-126 flush to zero);
+    tl.math.exp2 rescales around it to keep subnormal results, three more instructions."""
+    if _PTX_MATH:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        y = tl.math.exp2(x)
+    return y
+
+
+@triton.jit
+def _reciprocal(x):
+    """1 / x as one MUFU.RCP (rcp.approx.ftz: 1 ulp, results under 2^-126 flush to zero); a
+    division adds four instructions of range checks."""
+    if _PTX_MATH:
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        y = 1.0 / x
+    return y
+
+
 @triton.jit
 def _gelu_erf(x, SHORT: tl.constexpr):
     """x * Phi(x) with Phi(-|x|) = erfc(z) / 2 = t exp(P(t) - z^2) / 2, z = |x| / sqrt(2),
@@ -97,7 +126,7 @@ def _gelu_erf(x, SHORT: tl.constexpr):
     one exp2. Through erfc the negative tail keeps its relative accuracy, which 1 + erf loses.
     libdevice's erf, two polynomials selected per element, took about 60 instructions an element
     in a 128x256 epilogue and pushed it to 255 registers with spills (docs/perf-notes.md)."""
-    t = tl.math.fdiv(1.0, 1.0 + 0.35355339059327373 * tl.abs(x))
+    t = _reciprocal(1.0 + 0.35355339059327373 * tl.abs(x))
     if SHORT:
         p = 0.340877662
         p = -1.05519223 + t * p
@@ -116,7 +145,7 @@ def _gelu_erf(x, SHORT: tl.constexpr):
         p = 0.539700616 + t * p
         p = 1.4427292 + t * p
         p = -2.82574822 + t * p
-    x_tail = x * (t * tl.math.exp2(p - x * (0.7213475204444817 * x)))  # x Phi(-|x|); z^2 log2(e) = x^2 log2(e) / 2
+    x_tail = x * (t * _exp2(p - x * (0.7213475204444817 * x)))  # x Phi(-|x|); z^2 log2(e) = x^2 log2(e) / 2
     return tl.where(x < 0, x_tail, x - x_tail)
 
 
@@ -129,10 +158,10 @@ def _activate(x, ACTIVATION: tl.constexpr, negative_slope, OUT_16BIT: tl.constex
     elif ACTIVATION == 3:
         x = _gelu_erf(x, OUT_16BIT)
     elif ACTIVATION == 4:
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        x = x * tl.sigmoid(2.0 * inner)  # 0.5 * (1 + tanh(z)) == sigmoid(2z)
+        # x 0.5 (1 + tanh(z)) == x sigmoid(2z) == x / (1 + 2^(-2z log2(e))), z = sqrt(2 / pi) (x + 0.044715 x^3)
+        x = x * _reciprocal(1.0 + _exp2(x * (-2.302208198144325 - 0.1029432395800235 * (x * x))))
     elif ACTIVATION == 5:
-        x = x * tl.sigmoid(x)
+        x = x * _reciprocal(1.0 + _exp2(x * -1.4426950408889634))  # x sigmoid(x)
     return x
 
 
