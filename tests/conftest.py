@@ -3,6 +3,8 @@ import zlib
 
 # Every output buffer a launcher allocates starts as NaN, so an unwritten element fails.
 os.environ["TRITONFORMER_POISON"] = "1"
+# Workers share the GPU: their autotuning timings are contended, not for later processes to reuse.
+os.environ["TRITONFORMER_KEEP_TUNING"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,6 +1,8 @@
 import torch
+import triton
 
 import tritonformer as tf
+from tritonformer import runtime
 
 
 def test_backward_replays_products_planned_in_the_forward_thread(device):
@@ -26,8 +28,6 @@ def test_cuda_context_bound_once_a_thread_and_device(monkeypatch):
     # (the binding used to be once a thread, whatever the device).
     import threading
 
-    from tritonformer import runtime
-
     queried = []
 
     class Stream:
@@ -47,3 +47,16 @@ def test_cuda_context_bound_once_a_thread_and_device(monkeypatch):
     thread.start()
     thread.join()
     assert queried == [0, 1]
+
+
+def test_tuning_kept_on_disk_except_by_the_tests(monkeypatch):
+    # The suite's workers time configs against each other on one GPU: conftest keeps their
+    # choices from later processes; everywhere else a second process reuses the first's.
+    assert not runtime.KEEP_TUNING
+    seen = {}
+    monkeypatch.setattr(triton, "autotune", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    for keep in (True, False):
+        monkeypatch.setattr(runtime, "KEEP_TUNING", keep)
+        runtime.autotune([triton.Config({})], key=[])
+        assert seen["cache_results"] is keep
