@@ -109,9 +109,9 @@ def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 # The GPU rounds with its own instructions: e4m3 by cvt.rn.satfinite (nearest even, saturating at
 # 448), nvfp4's block-scale quotients by a multiply and two FMAs. Triton 3.6's interpreter rounds
-# fp8 conversions half up and evaluates tl.fma with two roundings: there the kernel rounds to e4m3
-# with float32 arithmetic and divides with div_rn.
-_GPU_ROUNDING = tl.constexpr(not runtime.INTERPRET)
+# fp8 conversions half up and evaluates tl.fma with two roundings: there (runtime.COMPILED off)
+# the kernel rounds to e4m3 with float32 arithmetic and divides with div_rn.
+
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _FLOAT32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # nvfp4 takes its block scales' quotients from reciprocals, and flushes no subnormal, from this
@@ -178,7 +178,7 @@ def _to_e4m3(v):
     """float32 v (finite) to e4m3, nearest with ties to even, saturating at 448. Interpreter: adding
     and subtracting 2^(exponent + 20) leaves 3 mantissa bits (normals), and below 2^-6 the spacing
     of e4m3's subnormals, 2^-9; the exact result converts."""
-    if _GPU_ROUNDING:
+    if runtime.COMPILED:
         q = v.to(tl.float8e4nv)
     else:
         a = tl.minimum(tl.abs(v), 448.0)
@@ -264,7 +264,7 @@ def _nvfp4_fast(lo, hi, amax, s):
 @triton.jit
 def _nvfp4_quantize(lo, hi, amax, s):
     """(block scales, codes of lo, codes of hi); the GPU takes _nvfp4_fast where it is exact."""
-    if _GPU_ROUNDING:
+    if runtime.COMPILED:
         if s >= _NVFP4_FAST_SCALE:
             scale, q_lo, q_hi = _nvfp4_fast(lo, hi, amax, s)
         else:
@@ -413,7 +413,6 @@ or.b32 $1, $1, t;
 mul.rn.bf16x2 $1, $1, $4;
 }
 """)
-_PTX_DECODE = tl.constexpr(not runtime.INTERPRET)
 
 # The eight e2m1 codes of an int32 word of packed codes (nibble i is element i) to float32 worth
 # 2^-14 times their values: shifts and masks place two codes at once, those of bytes 0 and 2 (or
@@ -466,7 +465,7 @@ def _nibble_value(words, SHIFT: tl.constexpr):
 def e2m1_word_values(words):
     """The eight elements of int32 words of packed fp4 codes (element i in nibble i, bits 4i..4i+3),
     as float32 2^-14 times their e2m1 values (exact; float16's subnormal is e2m1's 0.5)."""
-    if _PTX_DECODE:
+    if runtime.COMPILED:
         values = tl.inline_asm_elementwise(_E2M1_WORD_TO_F32_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
                                            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
                                                   tl.float32, tl.float32), is_pure=True, pack=1)
@@ -558,7 +557,7 @@ def e2m1_word_bf16_pairs(words, multiplier_pairs, TIMES_2_126: tl.constexpr):
     multiplier_pairs holds m's bf16 bits in both halves. The elements come out as value * m *
     2^-126, or with TIMES_2_126 as value * m (a multiply more); the products must be exact in
     bf16 (an e2m1 value times a power of two or an e4m3 value is, inside bf16's range)."""
-    if _PTX_DECODE:
+    if runtime.COMPILED:
         asm: tl.constexpr = _E2M1_WORD_TIMES_SCALE_BF16X2_PTX if TIMES_2_126 else _E2M1_WORD_TIMES_BF16X2_PTX
         pairs = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [words, multiplier_pairs],
                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
@@ -580,7 +579,7 @@ def _byte_value(words, SHIFT: tl.constexpr):
 @triton.jit
 def e4m3_word_values(words):
     """The four e4m3 elements of int32 words (element i in byte i) as float32."""
-    if _PTX_DECODE:
+    if runtime.COMPILED:
         values = tl.inline_asm_elementwise(_E4M3_WORD_TO_F32_PTX, "=r,=r,=r,=r,r", [words],
                                            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
                                            pack=1)
@@ -595,7 +594,7 @@ def dequantized_tile(data_ptr, scale_ptr, rows, n_rows, k0, K, stride_data, stri
     """(rows, BLOCK_K) values (nvfp4's tensor scale not applied), out of range reads 0: bf16 for
     the fp4 formats on the GPU, else float32 (either way exact)."""
     scale = _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT, VEC, BLOCK_K)
-    if FMT != "mxfp8" and _PTX_DECODE:
+    if FMT != "mxfp8" and runtime.COMPILED:
         packed = _packed_bytes(data_ptr, rows, n_rows, k0, K, stride_data, BLOCK_K)
         codes = tl.reshape(tl.join(packed, packed), (ROWS, BLOCK_K))
         scale16 = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // VEC, VEC))

@@ -22,11 +22,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
+import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE: str = "cpu" if INTERPRET else "cuda"
+# For kernels: compiled for the GPU, where inline PTX and the GPU's own rounding instructions
+# exist; under the interpreter a kernel takes its portable branch instead.
+COMPILED = tl.constexpr(not INTERPRET)
 
 # Tests set TRITONFORMER_POISON=1 so that every output buffer starts as NaN (or the integer
 # minimum): an element a kernel forgets to write then fails the comparison.

@@ -88,16 +88,12 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-# The epilogue's exp2 and reciprocal as single MUFU instructions need inline PTX; the interpreter
-# runs the same functions on Triton's own math.
-_PTX_MATH = tl.constexpr(not runtime.INTERPRET)
-
-
 @triton.jit
 def _exp2(x):
     """2^x as one MUFU.EX2 (ex2.approx.ftz: 2 ulp, results under 2^-126 flush to zero);
-    tl.math.exp2 rescales around it to keep subnormal results, three more instructions."""
-    if _PTX_MATH:
+    tl.math.exp2 rescales around it to keep subnormal results, three more instructions. The
+    interpreter, which runs no PTX, takes tl.math.exp2."""
+    if runtime.COMPILED:
         y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)
     else:
@@ -109,7 +105,7 @@ def _exp2(x):
 def _reciprocal(x):
     """1 / x as one MUFU.RCP (rcp.approx.ftz: 1 ulp, results under 2^-126 flush to zero); a
     division adds four instructions of range checks."""
-    if _PTX_MATH:
+    if runtime.COMPILED:
         y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)
     else:

@@ -219,7 +219,7 @@ def _warp_product(a, b, WARPS: tl.constexpr):
 def _mma_two_steps(a_lo, a_hi, b, c, WARPS: tl.constexpr):
     """c + two m16n8k16 products: a_lo / a_hi the four code-pair words of rows g / g + 8, b the
     four x-pair words, c the four accumulators of the fragment (rows g, g + 8 by columns 2q, 2q + 1)."""
-    if quant._PTX_DECODE:
+    if runtime.COMPILED:
         d = tl.inline_asm_elementwise(_MMA_TWO_STEPS_PTX, "=&f,=&f,=&f,=&f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
                                       [a_lo[0], a_hi[0], a_lo[1], a_hi[1], a_lo[2], a_hi[2], a_lo[3], a_hi[3],
                                        b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
