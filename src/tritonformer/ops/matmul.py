@@ -120,29 +120,34 @@ def _gelu_erf(x, SHORT: tl.constexpr):
     with SHORT, for 16-bit outputs, our own degree-5 fit (2e-5, a tenth of fp16's rounding). The
     coefficients are P's times log2(e), less 1 in the constant (the halving), so that the exp is
     one exp2. Through erfc the negative tail keeps its relative accuracy, which 1 + erf loses.
-    libdevice's erf, two polynomials selected per element, took about 60 instructions an element
-    in a 128x256 epilogue and pushed it to 255 registers with spills (docs/perf-notes.md)."""
-    t = _reciprocal(1.0 + 0.35355339059327373 * tl.abs(x))
+    Then x Phi(x) = max(x, 0) - |x| Phi(-|x|) on both sides of 0, one FMA and no select. The
+    kernel works with -t (P in -t: its odd coefficients negated; every intermediate is the same
+    number, or its negation, as with t), so that the FMA needs no negation: -x costs an
+    instruction (0 - x) where a constant's sign is free. libdevice's erf, two polynomials selected
+    per element, took about 60 instructions an element in a 128x256 epilogue and pushed it to 255
+    registers with spills (docs/perf-notes.md)."""
+    minus_t = _reciprocal(-1.0 - 0.35355339059327373 * tl.abs(x))
     if SHORT:
-        p = 0.340877662
-        p = -1.05519223 + t * p
-        p = 0.720648823 + t * p
-        p = 0.347956302 + t * p
-        p = 1.47339992 + t * p
-        p = -2.82766191 + t * p
+        p = -0.340877662
+        p = -1.05519223 + minus_t * p
+        p = -0.720648823 + minus_t * p
+        p = 0.347956302 + minus_t * p
+        p = -1.47339992 + minus_t * p
+        p = -2.82766191 + minus_t * p
     else:
-        p = 0.246517298
-        p = -1.18611495 + t * p
-        p = 2.14747446 + t * p
-        p = -1.63775315 + t * p
-        p = 0.402321582 + t * p
-        p = -0.26875686 + t * p
-        p = 0.139630057 + t * p
-        p = 0.539700616 + t * p
-        p = 1.4427292 + t * p
-        p = -2.82574822 + t * p
-    x_tail = x * (t * _exp2(p - x * (0.7213475204444817 * x)))  # x Phi(-|x|); z^2 log2(e) = x^2 log2(e) / 2
-    return tl.where(x < 0, x_tail, x - x_tail)
+        p = -0.246517298
+        p = -1.18611495 + minus_t * p
+        p = -2.14747446 + minus_t * p
+        p = -1.63775315 + minus_t * p
+        p = -0.402321582 + minus_t * p
+        p = -0.26875686 + minus_t * p
+        p = -0.139630057 + minus_t * p
+        p = 0.539700616 + minus_t * p
+        p = -1.4427292 + minus_t * p
+        p = -2.82574822 + minus_t * p
+    # -Phi(-|x|); z^2 log2(e) = x^2 log2(e) / 2
+    minus_phi_tail = minus_t * _exp2(p - x * (0.7213475204444817 * x))
+    return tl.fma(tl.abs(x), minus_phi_tail, tl.maximum(x, 0.0))
 
 
 @triton.jit
