@@ -71,6 +71,22 @@ def test_rows_starting_with_a_chunk_of_minus_inf(device):
                  torch.float32, "norm")
 
 
+@pytest.mark.parametrize("V", [300, 2 * ce.ROW_CHUNK + 1952])
+def test_label_smoothing_on_rows_of_large_logits(V, device):
+    # Smoothing's share is the mean of x - lse: taken as m - mean(x), it cancels near a large max
+    # (a row of 1e20s gave 9e11 for log V at V = 300 and 4000). One chunk, and rows over several
+    # chunks whose max grows from chunk to chunk; uniform rows of +-1e20, logits shifted by 1e4.
+    x = torch.randn(5, V, device=device)
+    x[0] = 1e20
+    x[1] = -1e20
+    x[2] += 1e4
+    x[3] = x[3] * 3 + torch.linspace(0, 60, V, device=device)
+    t = torch.randint(0, V, (5,), device=device)
+    loss = tf.cross_entropy(x, t, label_smoothing=0.1, reduction="none")
+    expected = ce.cross_entropy_reference(x.double(), t, reduction="none", label_smoothing=0.1)
+    assert_close(loss, expected, torch.float32)
+
+
 def test_out_of_range_target_gives_nan_for_its_row_only(device):
     x = torch.randn(5, 40, device=device, requires_grad=True)
     t = torch.tensor([3, 40, -1, 7, -100], device=device)
@@ -193,6 +209,25 @@ def test_fused_equals_unfused_cross_entropy(dtype, device, monkeypatch):
     assert rel_err(fused, unfused) <= tol
     for g, e in zip(grads, expected):
         assert rel_err(g, e) <= tol
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_second_backward_through_a_retained_graph_is_refused(fused, device):
+    # The fused loss scales the gradients it saved, cross_entropy(inplace_backward=True) writes
+    # into the saved logits: both in place, so a second backward through the graph must raise
+    # rather than rescale them (it gave 2x and 1.5x the gradients of hidden and weight).
+    hidden, weight, _, target = _flce_inputs(6, 8, 20, device, ignored=0.0)
+    if fused:
+        loss = tf.fused_linear_cross_entropy(hidden, weight, target) * 2.0
+    else:
+        loss = tf.cross_entropy(hidden @ weight.t(), target, inplace_backward=True) * 2.0
+    grads = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    hd, wd = _leaves(hidden, weight, dtype=torch.float64)
+    expected = torch.autograd.grad(ce.cross_entropy_reference(hd @ wd.t(), target) * 2.0, (hd, wd))
+    for g, e in zip(grads, expected):
+        assert_close(g, e, torch.float32, "norm")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (hidden, weight))
 
 
 def test_num_items_in_batch_splits_a_batch_like_gradient_accumulation(device):

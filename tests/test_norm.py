@@ -67,6 +67,18 @@ def test_layer_norm_bias_shape_error(device):
         tritonformer.layer_norm(x, torch.ones(8, device=device), torch.ones(4, device=device))
 
 
+@pytest.mark.parametrize("fn", ["rms_norm", "layer_norm"])
+def test_zero_width_rows(device, fn):
+    # A last dimension of 0 gives an empty output and empty gradients, as in torch and HF.
+    x = torch.randn(2, 3, 0, device=device, requires_grad=True)
+    weight = torch.ones(0, device=device, requires_grad=True)
+    args = (weight,) if fn == "rms_norm" else (weight, torch.zeros(0, device=device, requires_grad=True))
+    y = getattr(tritonformer, fn)(x, *args)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+
+
 def test_looped_backward_with_more_rows_than_programs(device, monkeypatch):
     monkeypatch.setattr(norm, "FUSED_MAX_N", 64)
     monkeypatch.setattr(norm, "LOOP_CHUNK", 32)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import inspect
+import math
 import os
 import threading
 import warnings
@@ -435,17 +437,27 @@ def ensure_tma_allocator() -> None:
 
 def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
     """Register a launcher as `torch.ops.tritonformer.<name>` so that torch.compile traces it as
-    one opaque node. Eager calls skip the dispatcher (about 10 us a call) and run the launcher."""
+    one opaque node. Eager calls skip the dispatcher (about 10 us a call) and run the launcher;
+    they then bump the version counters of the tensors it wrote in place, as the dispatcher
+    would, so that autograd refuses a graph whose saved tensors were overwritten (a second
+    backward through a retained graph) instead of computing with them."""
 
     def wrap(launcher: Callable) -> Callable:
         op = torch.library.custom_op(f"tritonformer::{name}", launcher, mutates_args=mutates_args)
         op.register_fake(fake)
+        params = list(inspect.signature(launcher).parameters)
+        mutated = [(params.index(arg), arg) for arg in mutates_args]
 
         @functools.wraps(launcher)
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return op(*args, **kwargs)
-            return launcher(*args, **kwargs)
+            out = launcher(*args, **kwargs)
+            for index, arg in mutated:
+                t = args[index] if index < len(args) else kwargs.get(arg)
+                if t is not None:
+                    torch.autograd.graph.increment_version(t)
+            return out
 
         return call
 
@@ -493,8 +505,9 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
-    """`t` as (rows, n) with unit column stride: a view where the strides allow one, else a copy."""
-    rows = t.reshape(-1, n)
+    """`t` as (rows, n) with unit column stride: a view where the strides allow one, else a copy.
+    `t`'s last dimension is n (reshape cannot infer the rows when n is 0)."""
+    rows = t.reshape(-1, n) if n else t.reshape(math.prod(t.shape[:-1]), 0)
     return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
 
 

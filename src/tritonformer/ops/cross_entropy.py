@@ -64,37 +64,44 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 @triton.jit
 def _row_stats(x_row, t, V, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """(m, log_s, mean_x, x_t) of one row: lse = m + log_s. x_t is NaN when t is outside [0, V)."""
+    """(m, log_s, mean_below_max, x_t) of one row: lse = m + log_s, mean_below_max the mean of
+    x - m (label smoothing's share). x_t is NaN when t is outside [0, V)."""
     cols = tl.arange(0, CHUNK)
     m = tl.full((), -FLT_MAX, tl.float32)
     # Per-lane sums against a shared running max: one exp per element, one max-reduction per chunk.
     s = tl.zeros((CHUNK,), tl.float32)
-    x_sum = tl.zeros((CHUNK,), tl.float32)
+    below = tl.zeros((CHUNK,), tl.float32)
     inv_v = 1.0 / V
     for start in tl.range(0, V, CHUNK, num_stages=STAGES):
         offs = start + cols
         mask = offs < V
         x = tl.load(x_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-        m = m_new
+        x_below = x - m_new
+        s = s * tl.exp(m - m_new) + tl.exp(x_below)
         if HAS_SMOOTHING:
-            # Scaled before summing: V logits near the float maximum would overflow the sum.
-            x_sum += tl.where(mask, x * inv_v, 0.0)
+            # The mean of x - m, not of x: near a large max, the mean of x and m cancel (a row
+            # of 1e20s gave a loss of 9e11). A lane's sum moves down by (m_new - m) / V for each
+            # of its earlier chunks (all full); scaled by 1 / V before summing, as logits near
+            # the float maximum would overflow the sum.
+            if start > 0:
+                below -= (start // CHUNK) * (m_new - m) * inv_v
+            below += tl.where(mask, x_below * inv_v, 0.0)
+        m = m_new
     log_s = tl.log(tl.sum(s, axis=0))
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32)
     x_t = tl.where(in_range, x_t, float("nan"))
-    return m, log_s, tl.sum(x_sum, axis=0), x_t
+    return m, log_s, tl.sum(below, axis=0), x_t
 
 
 @triton.jit
-def _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss,
+def _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss,
               HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
     # (m - x_t) + log_s rather than lse - x_t: exact when x_t is the max, however large lse is.
     loss = (m - x_t) + log_s
     if HAS_SMOOTHING:
-        loss = (1 - label_smoothing) * loss + label_smoothing * ((m - mean_x) + log_s)
+        loss = (1 - label_smoothing) * loss + label_smoothing * (log_s - mean_below_max)
     if HAS_Z_LOSS:
         lse = m + log_s
         loss += z_loss * lse * lse
@@ -127,8 +134,8 @@ def _ce_fwd_kernel(
     loss = tl.zeros((), tl.float32)
     # An ignored row is not read at all.
     if t != ignore_index:
-        m, log_s, mean_x, x_t = _row_stats(x_ptr + row * stride_x, t, V, CHUNK, STAGES, HAS_SMOOTHING)
-        loss = _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        m, log_s, mean_below_max, x_t = _row_stats(x_ptr + row * stride_x, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
     tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
@@ -174,8 +181,8 @@ def _loss_and_grad_kernel(
             offs = start + cols
             tl.store(x_row + offs, tl.zeros((CHUNK,), tl.float32).to(x_ptr.dtype.element_ty), mask=offs < V)
     else:
-        m, log_s, mean_x, x_t = _row_stats(x_row, t, V, CHUNK, STAGES, HAS_SMOOTHING)
-        loss = _row_loss(m, log_s, mean_x, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        m, log_s, mean_below_max, x_t = _row_stats(x_row, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         g = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
         for start in tl.range(0, V, CHUNK, num_stages=STAGES):
             offs = start + cols
@@ -546,8 +553,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             _, dh, dw, db = fused_linear_cross_entropy_fwd(hidden, weight, target, bias, None, grad_loss, *ctx.args,
                                                            "none", *ctx.flags)
         else:
-            # Scaled in place: a second backward through the same graph is refused by autograd's
-            # version check on these saved tensors.
+            # Scaled in place: scale_ bumps their version counters, so a second backward through
+            # the same graph is refused by autograd's check on these saved tensors.
             dh, dw, db = ctx.saved_tensors
             for grad, needed in zip((dh, dw, db), ctx.flags):
                 if needed:

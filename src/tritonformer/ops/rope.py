@@ -368,9 +368,6 @@ def _fake_rope_fwd_inplace(q, k, cos, sin, bshd):
 def rope_fwd_inplace(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                      bshd: bool) -> None:
     _launch(q, k, q, k, cos, sin, bshd, backward=False)
-    # The kernel writes behind autograd's back: bump the version counters as torch's own in-place
-    # ops do, so that a graph that saved q or k for its backward raises instead of going wrong.
-    torch.autograd.graph.increment_version(q if k is None else (q, k))
 
 
 def _fake_rope_bwd(dq, dk, cos, sin, bshd):
