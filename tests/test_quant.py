@@ -238,6 +238,26 @@ def test_nvfp4_given_tensor_amax(dtype, device):
     _assert_same(same, quant.quantize(x, "nvfp4"))
 
 
+def test_nvfp4_tensor_amax_tensor_of_a_bad_value_poisons_the_result(device):
+    # Not read on the host: a negative, NaN or infinite amax tensor gives a NaN tensor scale (it
+    # gave 1, or inf and NaN elements); an integer amax is taken as a float.
+    x = torch.randn(4, 64, device=device)
+    for bad in (-5.0, float("nan"), float("inf")):
+        q = quant.quantize(x, "nvfp4", tensor_amax=torch.tensor([bad], device=device))
+        assert q.tensor_scale.isnan().all() and quant.dequantize(q).isnan().all()
+        assert quant.quantize_reference(x, "nvfp4", tensor_amax=torch.tensor([bad], device=device)).tensor_scale.isnan().all()
+    _assert_same(quant.quantize(x, "nvfp4", tensor_amax=3), quant.quantize_reference(x, "nvfp4", tensor_amax=3.0))
+
+
+def test_e8m0_byte_zero_is_two_to_the_minus_127(device):
+    # quantize never writes it; MX data from elsewhere may. The kernels decoded it as 2^-126.
+    for fmt, v in (("mxfp8", 448.0), ("mxfp4", 6.0)):
+        q = quant.quantize(torch.full((2, 32), v, device=device), fmt)
+        q.scales[0] = 0
+        out = quant.dequantize(q)
+        assert (out[0] == v * 2.0**-127).all() and torch.equal(out, quant.dequantize_reference(q))
+
+
 def test_blocked_layout_round_trip_and_index_map(device):
     rows, cols = 300, 10
     scales = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, device=device)
@@ -260,6 +280,8 @@ def test_blocked_layout_round_trip_and_index_map(device):
      "finite"),
     (lambda d: quant.quantize(torch.randn(4, 32, device=d), "nvfp4", tensor_amax=torch.ones(2, device=d)),
      ValueError, "one-element"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "mxfp8", axis=2), ValueError, "axis 2 is out of range"),
+    (lambda d: quant.quantize(torch.randn(4, 32, device=d), "mxfp8", axis=-3), ValueError, "axis -3 is out of range"),
 ])
 def test_bad_input_is_named(bad, error, match, device):
     with pytest.raises(error, match=match):

@@ -53,6 +53,18 @@ def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
     _check_every_code_byte(fmt, M, N, K, device)
 
 
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_activations_stored_column_major(fmt, M, device):
+    # A transposed x, or one row whose row stride is odd: the fp4 paths read x as int32 words of
+    # bf16 pairs and must copy such an x into rows first (a clone kept it transposed).
+    N, K = 17, 64
+    w = quant.quantize(torch.randn(N, K, device=device), fmt, axis=1)
+    x = torch.randn(K, M, device=device).to(torch.bfloat16).t()
+    out = scaled_matmul(x, w, out_dtype=torch.float32)
+    assert _relative_error(out, scaled_matmul_reference(x, w, torch.float32)) <= 1e-5
+
+
 def _check_every_code_byte(fmt, M, N, K, device):
     width = K if fmt == "mxfp8" else K // 2
     gen = torch.Generator().manual_seed(3)

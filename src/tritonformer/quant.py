@@ -99,6 +99,13 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
+def _axis(axis: int, x: torch.Tensor) -> int:
+    """axis in [0, x.dim()), or a ValueError naming it (x % dim would quantize another axis)."""
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis} is out of range for x of {x.dim()} dimensions")
+    return axis % x.dim()
+
+
 def _rows_view(x: torch.Tensor, axis: int) -> torch.Tensor:
     """x with `axis` moved last, as (rows, K) contiguous."""
     K = x.shape[axis]
@@ -301,6 +308,9 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, amax_ptr, tensor_scale_ptr, n_b
     if FMT == "nvfp4":
         tensor_amax = tl.load(amax_ptr)
         s = tl.where(tensor_amax >= _FLOAT32_MIN_NORMAL, tl.math.div_rn(tensor_amax, _NVFP4_TENSOR_DIV), 1.0)
+        # A given amax tensor is not read on the host (that would wait for the GPU): a negative,
+        # NaN or infinite one makes the tensor scale NaN, so that everything made from it is NaN.
+        s = tl.where((tensor_amax >= 0) & (tensor_amax <= _FLOAT32_MAX), s, float("nan"))
         tl.store(tensor_scale_ptr, s, mask=tl.program_id(0) == 0)
         amax = tl.where(amax < _FLOAT32_MIN_NORMAL, 0.0, amax)  # subnormals flush to zero
         scale, code_lo, code_hi = _nvfp4_quantize(lo, hi, amax, s)
@@ -348,8 +358,9 @@ def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexp
         # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
         return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     exp = raw.to(tl.int32)
-    # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 (2^-127) is not produced.
-    return tl.where(exp == 255, float("nan"), (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True))
+    # e8m0: 2^(byte - 127) from its bits; byte 255 is NaN, byte 0 float32's subnormal 2^-127 (quantize
+    # does not produce it, MX data from elsewhere may hold it).
+    return tl.where(exp == 255, float("nan"), tl.where(exp == 0, 1 << 22, exp << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -679,7 +690,9 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1,
 
     nvfp4 only: `tensor_amax` (a float, or a one-element tensor on x's device) is the amax its
     tensor scale is made from: a calibrated one, or an earlier step's (delayed scaling). Then x is
-    read once instead of twice; blocks above it saturate. None takes x's own amax."""
+    read once instead of twice; blocks above it saturate. None takes x's own amax. A float must
+    be finite and >= 0; a tensor's value is not checked on the host (that would wait for the GPU):
+    a negative, NaN or infinite one gives a NaN tensor scale, so the result dequantizes to NaN."""
     _check_format(fmt)
     if tensor_amax is not None:
         if fmt != "nvfp4":
@@ -691,7 +704,7 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1,
         elif not 0 <= tensor_amax <= torch.finfo(torch.float32).max:
             raise ValueError(f"tensor_amax must be a finite float32 >= 0, got {tensor_amax}")
     runtime.check_tensor("x", x, runtime.FLOAT_DTYPES, min_dim=1)
-    axis = axis % x.dim()
+    axis = _axis(axis, x)
     vec = FORMATS[fmt][0]
     K = x.shape[axis]
     if K % vec:
@@ -716,7 +729,7 @@ def quantize(x: torch.Tensor, fmt: str, axis: int = -1,
             elif isinstance(tensor_amax, torch.Tensor):
                 amax = tensor_amax.reshape(1).float()
             else:
-                amax = torch.full((1,), tensor_amax, device=device)
+                amax = torch.full((1,), float(tensor_amax), dtype=torch.float32, device=device)
         else:
             tensor_scale = torch.ones(1, device=device)
     if M and K:
@@ -775,7 +788,7 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1,
                        tensor_amax: float | torch.Tensor | None = None) -> QuantizedTensor:
     """quantize in plain PyTorch (float64 arithmetic, torch's own e4m3 rounding)."""
     _check_format(fmt)
-    axis = axis % x.dim()
+    axis = _axis(axis, x)
     vec, elem_max, emax = FORMATS[fmt]
     rows = _rows_view(x, axis).double()
     rows = torch.where(rows.abs() < 2.0**-126, 0.0, rows)  # subnormals flush to +0
@@ -794,6 +807,7 @@ def quantize_reference(x: torch.Tensor, fmt: str, axis: int = -1,
         # reciprocal, which is not the correctly rounded quotient the recipe asks for.
         div, six = (torch.tensor(v, device=x.device) for v in (NVFP4_TENSOR_DIV, 6.0))
         s = torch.where(t_amax >= 2.0**-126, t_amax.float() / div, torch.ones((), device=x.device))
+        s = torch.where((t_amax >= 0) & (t_amax <= torch.finfo(torch.float32).max), s, float("nan"))
         tensor_scale = s.reshape(1)
         # Saturated: a given tensor_amax may be below a block's amax.
         scales = (amax.float() / six / s).clamp(max=448.0).to(torch.float8_e4m3fn)

@@ -787,8 +787,9 @@ GEMV_SHAPE = (16, 64, 4, 4) if runtime.INTERPRET else (16, 512, 4, 8)
 def _bf16_words(x: torch.Tensor) -> torch.Tensor:
     """bf16 x (M, K) as (M, K / 2) int32 words of pairs, copied first when its rows do not start
     on aligned words (the kernels load x's words)."""
-    if x.stride(1) != 1 or x.data_ptr() % 4 or (x.shape[0] > 1 and x.stride(0) % 2):
-        x = x.clone()
+    if x.stride(1) != 1 or x.data_ptr() % 4 or x.stride(0) % 2:
+        # clone's default keeps a transposed x transposed; contiguous() keeps a one-row view's odd stride.
+        x = x.clone(memory_format=torch.contiguous_format)
     return x.view(torch.int32)
 
 
