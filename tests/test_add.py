@@ -14,6 +14,10 @@ def test_python_scalar_follows_torch_promotion(device):
     assert out.dtype == torch.bfloat16
     assert_close(out, x.double() + 2.5, torch.bfloat16)
     assert tf.add(torch.arange(5, dtype=torch.int32, device=device), 3).tolist() == [3, 4, 5, 6, 7]
+    # An int past int32's range wraps, as in torch; a float with an int tensor gives float32.
+    assert tf.add(torch.tensor([5], dtype=torch.int32, device=device), 2**31).tolist() == [-2**31 + 5]
+    halves = tf.add(torch.arange(3, dtype=torch.int32, device=device), 0.5)
+    assert halves.dtype == torch.float32 and halves.tolist() == [0.5, 1.5, 2.5]
 
 
 def test_broadcast_gradient_is_reduced(device):
@@ -32,6 +36,8 @@ def test_collapse_dims_merges_contiguous_runs():
 def test_compiles_without_graph_break(device):
     x, y = torch.randn(8, 3, device=device), torch.randn(3, device=device)
     assert_close(compile_fullgraph(lambda a, b: tf.add(a, b) * 2)(x, y), (x.double() + y.double()) * 2, torch.float32)
+    # A Python number too (torch.result_type, which add called for it, does not trace).
+    assert_close(compile_fullgraph(lambda a: tf.add(a, 2.5))(x), x.double() + 2.5, torch.float32)
 
 
 @pytest.mark.parametrize(

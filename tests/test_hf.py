@@ -237,6 +237,19 @@ def test_unpatch_restores_hf_code(device, spy_attention):
     hf.unpatch(model)  # twice: harmless
 
 
+def test_head_dim_the_kernels_do_not_take_keeps_hf_attention(device, spy_attention):
+    # head_dim 16: patch() warns and patches everything else (it left a model whose every forward raised).
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama", hidden_size=64, head_dim=16)).to(device)
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="head_dim 16"):
+        hf.patch(model)
+    assert model.config._attn_implementation == reference.config._attn_implementation
+    ids = _ids(device)
+    with torch.no_grad():
+        assert_close(model(ids).logits, reference(ids).logits, torch.float32)
+    assert not spy_attention
+
+
 def test_patch_before_creation(device, spy_attention):
     from transformers.models.llama import modeling_llama
 

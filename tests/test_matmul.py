@@ -64,6 +64,19 @@ def test_transposed_operands_are_read_in_place(device):
     assert matmul_op._tma_layout(weight, (1, 32, 48), (1536, 1, 32)) == ((1536, 1, 32), True)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", [((5, 0), (0, 16)), ((5, 8), (8, 0)), ((2, 5, 8), (8, 0)),
+                                             ((2, 5, 0), (2, 0, 16))])
+def test_zero_size_gradients(a_shape, b_shape, device):
+    # K or N of 0 with a 2-D b: the backward's reshape(-1, 0) failed.
+    a = torch.randn(a_shape, device=device, requires_grad=True)
+    b = torch.randn(b_shape, device=device, requires_grad=True)
+    bias = torch.randn(b_shape[-1], device=device, requires_grad=True)
+    tf.matmul(a, b, bias).sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    assert (a.grad == 0).all() and (b.grad == 0).all()
+    assert torch.equal(bias.grad, torch.full_like(bias, a.shape[:-1].numel()))
+
+
 def test_empty_reduction_gives_bias_through_activation(device):
     a, b = torch.randn(3, 0, device=device), torch.randn(0, 5, device=device)
     bias = torch.randn(5, device=device)
@@ -118,6 +131,8 @@ def _t(shape, dtype=torch.float32):
         (_t((4, 32), FP8), _t((32, 4), FP8), {"scale_a": _t((3,))}, ValueError, "scale_a must hold one value"),
         (_t((4, 32), FP8), _t((2, 32, 4), FP8), {}, ValueError, "float8 matmul takes a 2-D b"),
         (_t((4, 8)), _t((8, 4)), {"out_dtype": torch.int32}, TypeError, "out_dtype"),
+        (_t((4, 8)), _t((8, 4)), {"bias": 1.0}, TypeError, "bias must be a torch.Tensor"),
+        (_t((4, 32), FP8), _t((32, 4), FP8), {"scale_a": 2.0}, TypeError, "scale_a must be a torch.Tensor"),
     ],
 )
 def test_bad_input_is_named(a, b, kwargs, error, match, device):

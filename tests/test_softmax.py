@@ -15,6 +15,15 @@ def test_every_dim_of_a_permuted_tensor(dim, device):
     assert_close(tf.softmax(x, dim), torch.softmax(x.double(), dim), torch.float32)
 
 
+@pytest.mark.parametrize("shape,dim", [((3, 0, 4), 1), ((0, 3), 0), ((2, 3, 0), -1), ((0, 5), 1)])
+def test_zero_size(shape, dim, device):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    y = tf.softmax(x, dim)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def test_looped_kernel_on_rows_longer_than_a_block(device, monkeypatch):
     # Force the online (looped) path on a small row so that the interpreter stays quick.
     monkeypatch.setattr(softmax_op, "FUSED_MAX_N", 64)

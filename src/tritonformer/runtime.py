@@ -497,7 +497,11 @@ def check_tensor(name: str, t, dtypes: Iterable[torch.dtype] | None = FLOAT_DTYP
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """All the given tensors (None skipped) on one device; a non-tensor is named as such."""
     named = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     first_name, first = named[0]
     for n, t in named[1:]:
         if t.device != first.device:

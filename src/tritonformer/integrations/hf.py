@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import importlib
 import types
+import warnings
 import weakref
 
 import torch
@@ -596,12 +597,20 @@ def unpatch_family(name: str) -> None:
 def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3 or Gemma model, also inside a
     PEFT wrapper) in place and return it; patching twice is harmless. attention=False keeps the
-    model's attention implementation."""
+    model's attention implementation, and so does a head dim the attention kernels do not take
+    (with a warning)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     family = _family_of(base)
     state = getattr(base, "_tritonformer", None)
     if state is not None:
         return model
+    config = base.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if attention and head_dim not in attention_op.HEAD_DIMS:
+        warnings.warn(f"tritonformer: head_dim {head_dim} is not one of the attention kernels' "
+                      f"({', '.join(map(str, attention_op.HEAD_DIMS))}): the model keeps its attention "
+                      f"({config._attn_implementation}); the other ops are patched", stacklevel=2)
+        attention = False
     forwards = _replacements(family)
     causal_lm = family.cls("ForCausalLM")
     previous_loss = {}

@@ -145,7 +145,12 @@ def add(x: torch.Tensor, y: torch.Tensor | float | int) -> torch.Tensor:
     if not isinstance(y, torch.Tensor):
         if not isinstance(y, (int, float)) or isinstance(y, bool):
             raise TypeError(f"y must be a torch.Tensor or a Python number, got {type(y).__name__}")
-        y = torch.tensor(y, dtype=torch.result_type(x, y), device=x.device)
+        # torch's promotion of a Python number (torch.result_type does not trace under torch.compile);
+        # an int out of int32's range wraps, as torch's add does.
+        dtype = torch.get_default_dtype() if isinstance(y, float) and not x.is_floating_point() else x.dtype
+        if dtype == torch.int32 and isinstance(y, int):
+            y = (y + 2**31) % 2**32 - 2**31
+        y = torch.tensor(y, dtype=dtype, device=x.device)
     runtime.check_tensor("y", y, DTYPES)
     runtime.check_same_device(x=x, y=y)
     if x.shape != y.shape:

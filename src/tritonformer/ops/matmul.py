@@ -300,10 +300,13 @@ def _matmul_kernel(
             off_k = kt * BLOCK_K
             if POINTER_LOADS:
                 rk = off_k + tl.arange(0, BLOCK_K)
+                # Every offset in int64: a transposed operand's column stride can be a whole row.
                 a = tl.load(a_ptr + batch.to(tl.int64) * stride_ab + rm.to(tl.int64)[:, None] * stride_am
-                            + rk[None, :] * stride_ak, mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+                            + rk.to(tl.int64)[None, :] * stride_ak, mask=(rm < M)[:, None] & (rk < K)[None, :],
+                            other=0.0)
                 b = tl.load(b_ptr + batch.to(tl.int64) * stride_bb + rk.to(tl.int64)[:, None] * stride_bk
-                            + rn[None, :] * stride_bn, mask=(rk < K)[:, None] & (rn < N)[None, :], other=0.0)
+                            + rn.to(tl.int64)[None, :] * stride_bn, mask=(rk < K)[:, None] & (rn < N)[None, :],
+                            other=0.0)
             else:
                 if A_TRANS:
                     a = a_desc.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
@@ -357,7 +360,8 @@ def _padded_copy_kernel(src_ptr, dst_ptr, ROWS, COLS, stride_sb, stride_sr, stri
     c = (tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < ROWS)[:, None] & (c < COLS)[None, :]
     r64 = r.to(tl.int64)[:, None]
-    x = tl.load(src_ptr + batch * stride_sb + r64 * stride_sr + c[None, :] * stride_sc, mask=mask)
+    # c in int64 too: a transposed source's column stride can be a whole row.
+    x = tl.load(src_ptr + batch * stride_sb + r64 * stride_sr + c.to(tl.int64)[None, :] * stride_sc, mask=mask)
     tl.store(dst_ptr + batch * stride_db + r64 * stride_dr + c[None, :], x, mask=mask)
 
 
@@ -676,11 +680,11 @@ class MatmulFunction(torch.autograd.Function):
             da = matmul(dpre, b.mT).sum_to_size(a.shape) if b.dim() > 2 else matmul(dpre, b.mT)
         if ctx.needs_input_grad[1]:
             if b.dim() == 2:
-                db = matmul(a.reshape(-1, a.shape[-1]).mT, dpre.reshape(-1, dpre.shape[-1]))
+                db = matmul(a.flatten(0, -2).mT, dpre.flatten(0, -2))
             else:
                 db = matmul(a.mT, dpre).sum_to_size(b.shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dpre.reshape(-1, dpre.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            dbias = dpre.flatten(0, -2).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return da, db, dbias, None, None, None, None, None
 
 

@@ -131,9 +131,13 @@ def _softmax_bwd_looped_kernel(
 
 def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """A (rows, N) view of `t` with `dim` last; copies only when the other dims cannot be
-    flattened into one stride."""
+    flattened into one stride, or when a row's last column lies 2^31 elements or more past its
+    first (the kernels' column offsets are int32; their row offsets are int64)."""
     moved = t.movedim(dim, -1)
-    return moved.reshape(-1, moved.shape[-1])
+    rows = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1])  # -1 is ambiguous when N is 0
+    if (rows.shape[1] - 1) * rows.stride(1) >= 2**31:
+        rows = rows.contiguous()
+    return rows
 
 
 def _rows_output(t: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
