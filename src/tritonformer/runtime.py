@@ -511,7 +511,7 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     """`t` as (rows, n) with unit column stride: a view where the strides allow one, else a copy.
     `t`'s last dimension is n (reshape cannot infer the rows when n is 0)."""
-    rows = t.reshape(-1, n) if n else t.reshape(math.prod(t.shape[:-1]), 0)
+    rows = t.reshape(math.prod(t.shape[:-1]), n)
     return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
 
 

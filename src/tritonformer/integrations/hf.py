@@ -362,6 +362,10 @@ def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ign
     return loss / num_items_in_batch
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, seq: int) -> None:
     """Start compiling the Triton kernels of a training step of `model` on (batch, seq) tokens:
     launches in runtime.compile_ahead's thread only compile, on empty tensors laid out as the
@@ -371,7 +375,7 @@ def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, se
     config = model.config
     dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = _head_dim(config)
     tokens = batch * seq
 
     x = torch.empty(tokens, hidden, dtype=dtype, device=device)
@@ -605,7 +609,7 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     if state is not None:
         return model
     config = base.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     if attention and head_dim not in attention_op.HEAD_DIMS:
         warnings.warn(f"tritonformer: head_dim {head_dim} is not one of the attention kernels' "
                       f"({', '.join(map(str, attention_op.HEAD_DIMS))}): the model keeps its attention "
