@@ -752,8 +752,9 @@ def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _e8m0_decode(scales: torch.Tensor) -> torch.Tensor:
-    exp = scales.to(torch.int32) - 127
-    value = torch.exp2(exp.float())
+    # From the bits, as the kernels do: CUDA's exp2f is not exact for the subnormal 2^-127 (byte 0).
+    bits = scales.to(torch.int32)
+    value = torch.where(bits == 0, 1 << 22, bits << 23).view(torch.float32)
     return torch.where(scales == NAN_SCALE, torch.full_like(value, float("nan")), value)
 
 
