@@ -53,6 +53,17 @@ def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
     _check_every_code_byte(fmt, M, N, K, device)
 
 
+@pytest.mark.parametrize("wpt", [2, 4])
+def test_wgmma_x_columns_follow_the_decoded_order_of_b(wpt):
+    # The wgmma kernel's copy of x: each step of 128 columns in the order in which a thread's
+    # decoded words of B meet the tensor cores (words of WPT per thread, eight codes a word).
+    columns = sm._wgmma_x_columns(256, wpt, "cpu").tolist()
+    expected = [128 * step + 32 * wpt * j + 8 * wpt * t + 8 * u + 4 * h + 2 * p1 + p0
+                for step in range(2) for j in range(128 // (32 * wpt)) for u in range(wpt) for p1 in range(2)
+                for p0 in range(2) for t in range(4) for h in range(2)]
+    assert columns == expected
+
+
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_activations_stored_column_major(fmt, M, device):
@@ -86,6 +97,9 @@ def _check_every_code_byte(fmt, M, N, K, device):
     ref = scaled_matmul_reference(x, w, torch.float32, bias=bias)
     assert _relative_error(out, ref) <= 1e-5
     assert torch.equal(scaled_matmul(x, w, out_dtype=torch.float32, bias=bias), out)  # replayed launch
+    x = torch.randn(M, 2 * K, device=device).to(torch.bfloat16)[:, ::2]  # a replay sees the new x
+    out = scaled_matmul(x, w, out_dtype=torch.float32, bias=bias)
+    assert _relative_error(out, scaled_matmul_reference(x, w, torch.float32, bias=bias)) <= 1e-5
 
 
 @pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp8", "mxfp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"),

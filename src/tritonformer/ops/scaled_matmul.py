@@ -446,19 +446,22 @@ def _wgmma_scales_layout(BLOCK_N, WPT):
 
 
 @gluon.jit
-def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, tensor_scale_ptr,
+def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, tensor_scale_ptr,
                   M, N, K, steps_per_split, stride_xm, stride_bs, stride_cm,
                   B_FMT: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, TENSOR_SCALE: gl.constexpr,
-                  BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr):
-    """A few bf16 rows x (M <= TOKENS, K contiguous) times BLOCK_N rows of fp4 B over one K split,
-    Hopper only (Gluon: it does not run under the interpreter, where _mma_kernel does the same
-    product): C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from
-    shared memory. B's words come by TMA, STAGES steps ahead; a thread reads its words
+                  BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, X_BY_TMA: gl.constexpr):
+    """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of fp4 B over one K split, Hopper only
+    (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
+    C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
+    memory. B's words come by TMA, STAGES steps ahead; a thread reads its words
     (_wgmma_words_layout), decodes them with the block scale's multiply (the PTX of
     _mma_kernel's decode, element by element) and joins the elements into the operand's layout
-    without moving data between threads. x and the scales are loaded a step ahead into
-    registers; x's K is permuted as B's on its way into shared memory (a relabelling of its
-    registers: the stores put each element in place)."""
+    without moving data between threads. x's K must be permuted as the decode leaves B's
+    (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its
+    tiles come with B's words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded
+    a step ahead into registers and permuted on their way into shared memory (a relabelling of
+    the registers: the stores put each element in place). The scales are loaded a step ahead
+    into registers."""
     WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else 4
     BLOCKS: gl.constexpr = 16 // WPT
     pid_n = gl.program_id(0)
@@ -471,23 +474,27 @@ def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_p
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT)
     scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, WPT)
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    # Two buffers: a step's stores never meet the wgmma of the step before, still reading.
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, TOKENS, 128],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    if X_BY_TMA:
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], x.layout)
+    else:
+        # Two buffers: a step's stores never meet the wgmma of the step before, still reading.
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, TOKENS, 128],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     b_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
         if s < steps:
-            _wgmma_load_step(b_desc, b_smem, ready, s, step_lo + s, n0)
+            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, s, step_lo + s, n0, X_BY_TMA)
 
-    tokens_x = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
-    x_ptrs = (x_ptr + tokens_x.to(gl.int64)[:, None] * stride_xm
-              + (step_lo * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x_layout)))[None, :])
-    x_mask = (tokens_x < M)[:, None]
-    next_x = gl.load(x_ptrs, mask=x_mask, other=0.0)
+    if not X_BY_TMA:
+        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        tokens_x = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
+        x_ptrs = (x + tokens_x.to(gl.int64)[:, None] * stride_xm
+                  + (step_lo * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x_layout)))[None, :])
+        x_mask = (tokens_x < M)[:, None]
+        next_x = gl.load(x_ptrs, mask=x_mask, other=0.0)
     rows_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales_layout))
     blocks = gl.arange(0, BLOCKS, layout=gl.SliceLayout(0, scales_layout))
     scale_ptrs = b_scale_ptr + rows_s.to(gl.int64)[:, None] * stride_bs + (step_lo * BLOCKS + blocks)[None, :]
@@ -509,17 +516,19 @@ def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_p
         if WPT == 4:
             multipliers = gl.join(multipliers, multipliers)
         multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, 16]), words_layout)
-        x_tile = next_x
-        x_ptrs += 128
-        next_x = gl.load(x_ptrs, mask=x_mask & (i + 1 < steps), other=0.0)
-        # Column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h takes x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0.
-        x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 128 // (32 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 5, 6, 2, 4))
-        x_buffer = x_smem.index(i % 2)
-        x_buffer.store(gl.reshape(x_tile, [TOKENS, 128]))
-        fence_async_shared()
-        gl.thread_barrier()
-
         stage = i % STAGES
+        if X_BY_TMA:
+            x_buffer = x_smem.index(stage)
+        else:
+            x_tile = next_x
+            x_ptrs += 128
+            next_x = gl.load(x_ptrs, mask=x_mask & (i + 1 < steps), other=0.0)
+            # Column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h takes x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0.
+            x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 128 // (32 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 5, 6, 2, 4))
+            x_buffer = x_smem.index(i % 2)
+            x_buffer.store(gl.reshape(x_tile, [TOKENS, 128]))
+            fence_async_shared()
+            gl.thread_barrier()
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         words = b_smem.index(stage).load(words_layout)
         asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
@@ -535,7 +544,11 @@ def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_p
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
         ahead = i + STAGES - 1
         if ahead < steps:
-            _wgmma_load_step(b_desc, b_smem, ready, ahead % STAGES, step_lo + ahead, n0)
+            if X_BY_TMA:
+                # Every warp is past its reads of the stage the load refills (step i - 1's); x's
+                # barrier of this step did that otherwise.
+                gl.thread_barrier()
+            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, ahead % STAGES, step_lo + ahead, n0, X_BY_TMA)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -567,9 +580,14 @@ def _wgmma_kernel(x_ptr, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_p
 
 
 @gluon.jit
-def _wgmma_load_step(b_desc, b_smem, ready, stage, step, n0):
-    """TMA load of a step's words of B (BLOCK_N, 16) into a stage."""
-    mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes)
+def _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, stage, step, n0, X_BY_TMA: gl.constexpr):
+    """TMA loads of a step's words of B (BLOCK_N, 16) into a stage, with x's tile (TOKENS, 128;
+    its rows past M arrive as zeros) when X_BY_TMA."""
+    if X_BY_TMA:
+        mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes + x.block_type.nbytes)
+        tma.async_copy_global_to_shared(x, [0, step * 128], ready.index(stage), x_smem.index(stage))
+    else:
+        mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(b_desc, [n0, step * 16], ready.index(stage), b_smem.index(stage))
 
 
@@ -871,7 +889,12 @@ _mma_plans = runtime.PlanTable()
 # split-K epilogue weigh more there), at N = 28672 95 against 79.
 WGMMA_MIN_M = 9
 WGMMA_MIN_WEIGHT = 2**27
-WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 3, 8), 64: (64, 3, 8)}
+WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (64, 2, 8)}
+# From this many tokens a program on, x reaches _wgmma_kernel by TMA from a permuted copy (its
+# tile a step is 2-4 times B's there; GPU time at N 28672, nvfp4 / mxfp4: M 64 144 -> 111 and
+# 137 -> 107 us, M 32 93 -> 79 and 89 -> 78, on (64, 2, 8)). At 16 tokens the copy's launch costs
+# more than the in-program permutation (bench time 79 -> 87-91 us: the path is near host-bound).
+WGMMA_TMA_X_MIN_TOKENS = 32
 
 
 def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
@@ -880,10 +903,21 @@ def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
             and runtime.capability(b.data.device.index or 0) == (9, 0))
 
 
+def _wgmma_x_columns(K: int, wpt: int, device: torch.device) -> torch.Tensor:
+    """The columns of x that _wgmma_kernel's copy of x holds, in order: K permuted in each step
+    of 128 as the kernel's decode of B leaves it (column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h
+    of a step holds x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0)."""
+    steps = torch.arange(K, device=device).view(K // WGMMA_STEP_K, WGMMA_STEP_K // (32 * wpt), 4, wpt, 2, 2, 2)
+    return steps.permute(0, 1, 3, 5, 6, 2, 4).flatten()
+
+
 def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     """bf16 x (M, K) times fp4 B on Hopper: _wgmma_kernel, planned once per signature and
-    replayed (B's TMA descriptor is part of the plan)."""
-    if x.stride(1) != 1:
+    replayed. The plan holds B's TMA descriptor and, from WGMMA_TMA_X_MIN_TOKENS, a buffer for
+    the permuted copy of x with its own descriptor: a call writes x there by one index_select
+    (this path's time is near its host time; torch's permuted copy cost 30-40 us more of it)."""
+    tokens = max(16, runtime.next_power_of_2(M))
+    if x.stride(1) != 1 and tokens < WGMMA_TMA_X_MIN_TOKENS:
         x = x.contiguous()
     b_scales = b.scales.view(torch.uint8)
     bias_arg = bias if bias is not None else c
@@ -893,20 +927,30 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
            *(t.data_ptr() % 16 for t in (x, bias_arg)))
     plan = _wgmma_plans.get(key)
     if plan is None:
-        tokens = max(16, runtime.next_power_of_2(M))
         block_n, stages, per_sm = WGMMA_SHAPES[tokens]
         tiles = runtime.cdiv(N, block_n)
         split, k_per_split = _split_k(tiles, K, WGMMA_STEP_K, c.device, per_sm)
         words = b.data.view(torch.int32)
         b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, 16],
                                   gl.NVMMASharedLayout.get_default_for([block_n, 16], gl.int32))
-        constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages, num_warps=4)
-        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc]
+        x_by_tma = tokens >= WGMMA_TMA_X_MIN_TOKENS
+        x_columns = x_permuted = x_desc = None
+        if x_by_tma:
+            x_columns = _wgmma_x_columns(K, 2 if b.fmt == "nvfp4" else 4, c.device)
+            x_permuted = torch.empty(M, K, dtype=torch.bfloat16, device=c.device)
+            x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
+                                      gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
+        constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
+                          X_BY_TMA=x_by_tma, num_warps=4)
+        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns, x_permuted,
+                x_desc]
         _wgmma_plans.put(key, plan)
-    grid, split, steps_per_split, constexprs, entries, b_desc = plan
+    grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_permuted, x_desc = plan
+    if x_desc is not None:
+        torch.index_select(x, 1, x_columns, out=x_permuted)
     ws, counters = _split_buffers(split, N, c, grid[0])
-    args = (x, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, steps_per_split,
-            x.stride(0), b_scales.stride(0), c.stride(0))
+    args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
+            steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
     _launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
 
 
