@@ -53,6 +53,18 @@ def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
     _check_every_code_byte(fmt, M, N, K, device)
 
 
+@pytest.mark.parametrize("M", [1, 17, 64, 100, 520])
+def test_activations_that_require_grad(M, device):
+    # A QLoRA-style caller's activations carry autograd history; scaled_matmul has no backward
+    # and must give the same product on every path (the wgmma kernel's copy of x is written
+    # with out=, which torch refuses for a tensor that requires grad).
+    N, K = 64, 256
+    w = quant.quantize(torch.randn(N, K, device=device), "nvfp4", axis=1)
+    x = torch.randn(M, K, device=device).to(torch.bfloat16).requires_grad_()
+    out = scaled_matmul(x * 1, w)
+    torch.testing.assert_close(out, scaled_matmul(x.detach(), w), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("wpt", [2, 4])
 def test_wgmma_x_columns_follow_the_decoded_order_of_b(wpt):
     # The wgmma kernel's copy of x: each step of 128 columns in the order in which a thread's

@@ -947,7 +947,8 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         _wgmma_plans.put(key, plan)
     grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_permuted, x_desc = plan
     if x_desc is not None:
-        torch.index_select(x, 1, x_columns, out=x_permuted)
+        # detach: torch refuses out= for an input that requires grad (scaled_matmul has no backward).
+        torch.index_select(x.detach(), 1, x_columns, out=x_permuted)
     ws, counters = _split_buffers(split, N, c, grid[0])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
             steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
