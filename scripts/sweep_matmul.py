@@ -31,6 +31,10 @@ kernel.configs = base + [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
     for bm, bn, bk, s, w in EXTRA]
 default_split_k = mm._split_k
+tma_layout = mm._tma_layout
+pointer_loads = "--pointer-loads" in sys.argv
+if pointer_loads:
+    mm.POINTER_LOADS_MAX_WORK = 2**40
 
 
 FLUSH = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -60,7 +64,7 @@ def fresh():
     mm._replays.clear()
 
 
-for shape in sys.argv[1:] or SHAPES:
+for shape in [arg for arg in sys.argv[1:] if not arg.startswith("--")] or SHAPES:
     dims = list(map(int, shape.split("x")))
     batch, (M, N, K) = (dims[0] if len(dims) == 4 else None), dims[-3:]
     lead = (batch,) if batch else ()
@@ -71,19 +75,21 @@ for shape in sys.argv[1:] or SHAPES:
     print(f"{shape}: cuBLAS {peer} us (do_bench, cold, warm, host; {flops / peer[0] * 1e-6:.0f} TFLOP/s); "
           f"default split {default_split_k(M, N, K, batch or 1, a.device)}", flush=True)
     splits = [1] if batch else [s for s in (1, 2, 3, 4, 6, 8) if K // s >= 256]
-    for split in splits:
+    for split, loads in [(s, loads) for s in splits for loads in ("tma", "pointers")[:1 + pointer_loads]]:
         mm._split_k = lambda *args, split=split: split  # noqa: E731
+        mm._tma_layout = tma_layout if loads == "tma" else lambda *args: None
         fresh()
         try:
             tf.matmul(a, b)
             ours = timings(lambda: tf.matmul(a, b))
         except Exception as e:  # noqa: BLE001 - a split that fails is a row
-            print(f"  split {split} failed: {type(e).__name__}: {e}", flush=True)
+            print(f"  split {split} {loads} failed: {type(e).__name__}: {e}", flush=True)
             continue
         (chosen,) = mm._launch_matmul.chosen.values()
         cfg = "x".join(str(chosen[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
             f":w{chosen['num_warps']}:s{chosen['num_stages']}"
         ratios = " ".join(f"{p / o:.2f}x" for p, o in zip(peer[:3], ours[:3]))
-        print(f"  split {split}: {ours} us  {ratios}  {cfg}", flush=True)
+        print(f"  split {split} {loads}: {ours} us  {ratios}  {cfg}", flush=True)
     mm._split_k = default_split_k
+    mm._tma_layout = tma_layout
     fresh()

@@ -12,7 +12,9 @@ operands read in place. Split-K takes over when the output has too few tiles to 
 up and applies the epilogue (no second launch). TMA needs 16-byte aligned rows; an operand whose
 rows are not gets copied once into a padded buffer (cheaper than unvectorized loads, see
 docs/perf-notes.md), except in small products (POINTER_LOADS_MAX_WORK), where the copies' launches
-would cost more than the product: there the kernel reads both operands with masked pointer loads.
+would cost more than the product: there the kernel reads both operands with masked pointer loads,
+as it does in every small product of few rows (POINTER_LOADS_MAX_M), whose time is mostly the
+host's.
 
 Backward (float operands): dpre = dout * act'(pre), da = dpre @ b^T, db = a^T @ dpre,
 dbias = sum of dpre over rows; both products run on the same kernel, transposes read in place.
@@ -42,6 +44,10 @@ SPLIT_K_MIN_K_PER_SPLIT = 512
 # Up to this many multiply-adds (batch M N K) an operand that TMA cannot read is read with pointer
 # loads instead of being copied into a padded buffer first.
 POINTER_LOADS_MAX_WORK = 2**28
+# So are both operands of a product that small with at most this many rows: its launch without
+# descriptors costs 25-30 us less host time, and the GPU time is no worse (16x4096^2 at split 4:
+# 17.7 against 18.7 us from a cold L2; at 128 rows pointer loads are 13% slower from a warm one).
+POINTER_LOADS_MAX_M = 64
 
 
 def _configs():
@@ -438,7 +444,8 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     launches (and padded copies) for new tensors of the same shapes, strides, dtypes and
     alignment, or None when the autotuner has just chosen the config."""
     a_layout, b_layout = _tma_layout(a, (batch, M, K), a_strides), _tma_layout(b, (batch, K, N), b_strides)
-    pointer_loads = (a_layout is None or b_layout is None) and batch * M * N * K <= POINTER_LOADS_MAX_WORK
+    pointer_loads = ((a_layout is None or b_layout is None or M <= POINTER_LOADS_MAX_M)
+                     and batch * M * N * K <= POINTER_LOADS_MAX_WORK)
     # Operands that TMA cannot read in place are copied padded, anew each call (copy_a(a)).
     copy_a = copy_b = None
     a_trans = b_trans = False
