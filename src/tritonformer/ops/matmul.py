@@ -45,8 +45,8 @@ SPLIT_K_MIN_K_PER_SPLIT = 512
 # loads instead of being copied into a padded buffer first.
 POINTER_LOADS_MAX_WORK = 2**28
 # So are both operands of a product that small with at most this many rows: its launch without
-# descriptors costs 25-30 us less host time, and the GPU time is no worse (16x4096^2 at split 4:
-# 17.7 against 18.7 us from a cold L2; at 128 rows pointer loads are 13% slower from a warm one).
+# descriptors costs 12-28 us less host time, and the GPU time is no worse (16x4096^2 at split 4:
+# 17.7 against 18.7 us from a cold L2). At 128 rows pointer loads lose: 128x8192x4096 59 against 38 us.
 POINTER_LOADS_MAX_M = 64
 
 

@@ -934,21 +934,20 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, 16],
                                   gl.NVMMASharedLayout.get_default_for([block_n, 16], gl.int32))
         x_by_tma = tokens >= WGMMA_TMA_X_MIN_TOKENS
-        x_columns = x_permuted = x_desc = None
+        x_columns = x_desc = None
         if x_by_tma:
-            x_columns = _wgmma_x_columns(K, 2 if b.fmt == "nvfp4" else 4, c.device)
+            x_columns = _wgmma_x_columns(K, b.block // 8, c.device)  # the kernel's WPT: a scale block's words
             x_permuted = torch.empty(M, K, dtype=torch.bfloat16, device=c.device)
             x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
                                       gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
         constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
                           X_BY_TMA=x_by_tma, num_warps=4)
-        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns, x_permuted,
-                x_desc]
+        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns, x_desc]
         _wgmma_plans.put(key, plan)
-    grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_permuted, x_desc = plan
+    grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_desc = plan
     if x_desc is not None:
         # detach: torch refuses out= for an input that requires grad (scaled_matmul has no backward).
-        torch.index_select(x.detach(), 1, x_columns, out=x_permuted)
+        torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
     ws, counters = _split_buffers(split, N, c, grid[0])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
             steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
