@@ -68,8 +68,7 @@ class _Recorder:
 
     def __call__(self, *a, fitted=None, **kw):
         args = a[2:] if self.tuned else a[1:]
-        self.fitted = fitted
-        self.store[self.name] = (self.kernel, list(args), dict(kw))
+        self.store[self.name] = (self.kernel, list(args), dict(kw), fitted)
 
 
 def record_launches(D, dtype, causal, varlen, window):
@@ -129,7 +128,7 @@ def compile_jobs(kernels, dims, dtypes, causals, varlens, windows, candidates=No
                         for name in kernels:
                             if name not in store:
                                 continue
-                            kernel, args, kw = store[name]
+                            kernel, args, kw, fitted = store[name]
                             if isinstance(kernel, triton.runtime.Autotuner):
                                 fn = kernel.fn
                                 named = dict(zip(fn.arg_names, args))
@@ -145,8 +144,10 @@ def compile_jobs(kernels, dims, dtypes, causals, varlens, windows, candidates=No
                             for c in pruned:
                                 jobs.append((dict(base, config=config_str(c, kw), status="pruned"), None))
                             for c in kept:
-                                all_kw = dict(kw, **(c.all_kwargs() if c is not None else {}))
-                                bound, spec, opts = binder(*args, **all_kw)
+                                # A config runs with fitted's arguments (descriptors of its tile).
+                                c_args, c_kw = fitted(c.all_kwargs()) if fitted else (args, kw)
+                                all_kw = dict(c_kw, **(c.all_kwargs() if c is not None else {}))
+                                bound, spec, opts = binder(*c_args, **all_kw)
                                 options, sig, consts, attrs = fn._pack_args(backend, all_kw, bound, spec, opts)
                                 label = dict(base, config=config_str(c, all_kw))
                                 jobs.append((label, (fn.__name__, sig, consts, attrs, options.__dict__)))

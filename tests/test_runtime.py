@@ -1,5 +1,8 @@
+from types import SimpleNamespace
+
 import torch
 import triton
+import triton.language as tl
 
 import tritonformer as tf
 from tritonformer import runtime
@@ -49,14 +52,53 @@ def test_cuda_context_bound_once_a_thread_and_device(monkeypatch):
     assert queried == [0, 1]
 
 
-def test_tuning_kept_on_disk_except_by_the_tests(monkeypatch):
-    # The suite's workers time configs against each other on one GPU: conftest keeps their
-    # choices from later processes; everywhere else a second process reuses the first's.
-    assert not runtime.KEEP_TUNING
-    seen = {}
-    monkeypatch.setattr(triton, "autotune", lambda **kwargs: seen.update(kwargs))
+@triton.jit
+def _tuned_stand_in(x_ptr, BLOCK: tl.constexpr):
+    pass
+
+
+def test_tuning_times_candidates_as_launched_in_rounds_and_keeps_the_choice(monkeypatch, tmp_path):
+    """Each candidate is timed with fitted(config)'s arguments; the three fastest of the first
+    round are timed twice more, and the median of their rounds decides, not one timing. The
+    times are kept on disk for a later process, which then compiles the choice alone, unless
+    KEEP_TUNING is off (the test workers')."""
+    from triton.runtime.jit import JITFunction
+
+    fn = _tuned_stand_in if isinstance(_tuned_stand_in, JITFunction) else JITFunction(_tuned_stand_in.fn)
     monkeypatch.setattr(runtime, "INTERPRET", False)
-    for keep in (True, False):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime.TunedLauncher, "instances", [])
+    candidates = [triton.Config({"BLOCK": block}) for block in (1, 2, 3, 4)]
+    # by BLOCK: the round times; 2 is fastest once and slowest at the median
+    rounds = {1: [5.0], 2: [3.0, 9.0, 9.0], 3: [4.0, 4.0, 4.0], 4: [3.5, 3.6, 3.4]}
+    fitted_for, timed = [], []
+
+    def fitted(config):
+        fitted_for.append(config["BLOCK"])
+        return (torch.empty(1),), {"fitted": True}
+
+    def bench(launch):
+        block = fitted_for[-1]
+        timed.append(block)
+        return rounds[block][timed.count(block) - 1]
+
+    monkeypatch.setattr(runtime, "_tuning_bench", bench)
+
+    def call(keep):
+        """(BLOCK launched, the BLOCKs compiled) of a fresh process's first call."""
         monkeypatch.setattr(runtime, "KEEP_TUNING", keep)
-        runtime.autotune([triton.Config({})], key=[])
-        assert seen["cache_results"] is keep
+        launcher = runtime.TunedLauncher(SimpleNamespace(fn=fn, configs=candidates, early_config_prune=None))
+        compiled = []
+        launcher._compile_candidates = lambda key, grid, configs, *rest: compiled.extend(
+            c.kwargs["BLOCK"] for c in configs)
+        launcher.launch = lambda grid, *args, **kwargs: (args, kwargs)
+        timed.clear()
+        (args, kwargs), grid = launcher(("key",), lambda config: (1,), torch.empty(1), fitted=fitted)
+        assert kwargs["fitted"] and grid == (1,)
+        return kwargs["BLOCK"], compiled
+
+    assert call(keep=True) == (4, [1, 2, 3, 4])
+    assert timed == [1, 2, 3, 4, 2, 4, 3, 2, 4, 3]
+    assert call(keep=True) == (4, [4]) and timed == []  # read back: not timed, the choice compiled alone
+    assert call(keep=False) == (4, [1, 2, 3, 4]) and len(timed) == 10  # timed again

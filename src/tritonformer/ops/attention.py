@@ -48,33 +48,13 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = -1
 
 
-def _descriptor_rows(names: tuple[str, ...], block: str):
-    """A config's pre_hook: the tensor descriptors passed as the arguments `names` (when they are
-    descriptors) get (1, 1, config[block], D) boxes, so that the autotuner times every config
-    with TMA loads of its own tile shape."""
-
-    def hook(nargs):
-        for name in names:
-            desc = nargs[name]
-            if isinstance(desc, TensorDescriptor):
-                desc.block_shape = [1, 1, nargs[block], desc.block_shape[3]]
-
-    return hook
+def _config(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-# The forward and dQ kernels stream K and V blocks of BLOCK_N rows; dK/dV streams Q and dO blocks
-# of BLOCK_M rows.
-_KV_ROWS = _descriptor_rows(("k_ptr", "v_ptr"), "BLOCK_N")
-_Q_ROWS = _descriptor_rows(("q_ptr", "do_ptr"), "BLOCK_M")
-
-
-def _config(bm, bn, warps, stages, hook=_KV_ROWS):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=hook)
-
-
-def _interpreter_configs(hook=_KV_ROWS):
+def _interpreter_configs():
     # The interpreter's cost is per block op: small blocks keep tiny test shapes multi-block.
-    return [_config(16, 16, 4, 1, hook)]
+    return [_config(16, 16, 4, 1)]
 
 
 def _fwd_configs():
@@ -99,17 +79,17 @@ def _fwd_configs():
 def _dkdv_configs():
     """The dK/dV kernel keeps BLOCK_N keys resident and streams BLOCK_M query rows."""
     if runtime.INTERPRET:
-        return _interpreter_configs(_Q_ROWS)
+        return _interpreter_configs()
     return [
-        _config(64, 128, 8, 3, _Q_ROWS),    # D 128
-        _config(64, 128, 8, 2, _Q_ROWS),
-        _config(32, 128, 8, 3, _Q_ROWS),
-        _config(32, 128, 8, 2, _Q_ROWS),
-        _config(32, 64, 4, 3, _Q_ROWS),     # D 64, and D 128 causal
+        _config(64, 128, 8, 3),    # D 128
+        _config(64, 128, 8, 2),
+        _config(32, 128, 8, 3),
+        _config(32, 128, 8, 2),
+        _config(32, 64, 4, 3),     # D 64, and D 128 causal
         # Small tiles for head dim 256, where the larger ones spill or do not fit.
-        _config(64, 32, 8, 2, _Q_ROWS),
-        _config(32, 32, 8, 2, _Q_ROWS),
-        _config(32, 64, 8, 2, _Q_ROWS),
+        _config(64, 32, 8, 2),
+        _config(32, 32, 8, 2),
+        _config(32, 64, 8, 2),
     ]
 
 
@@ -150,7 +130,7 @@ def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
     (_SPILL_FREE_UP_TO), unless that would leave none, and keep the measured winners where the
     sweep has them (_MEASURED_BEST); float32 gets the smallest tiles only."""
     block_d, q = kwargs["BLOCK_D"], named_args["q_ptr"]
-    elt = (q.base if isinstance(q, TensorDescriptor) else q).element_size()
+    elt = q.element_size()
     kept = [c for c in configs
             if tile_rows(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(c.num_stages, 1)) * block_d * elt
             <= 200 * 1024]
@@ -716,12 +696,12 @@ def _descriptors(args: tuple, positions: tuple[int, ...], shapes: tuple[tuple, .
 def _launch(launcher: runtime.TunedLauncher, key: tuple, grid, args: tuple, consts: dict,
             streamed: tuple[tuple[int, ...], tuple[tuple, ...], str] | None):
     """Launch a kernel; `streamed` = (positions, shapes, block) when the tensors at `positions`
-    go in as descriptors whose boxes have config[block] rows (else None: pointer loads). While
-    the autotuner runs, each config's pre_hook sets its own rows on the descriptors.
+    go in as descriptors whose boxes have config[block] rows (else None: pointer loads); each
+    candidate config is timed with its own.
 
     Returns a replay `(args) -> None` that issues the same launch for new arguments of this
     call's signature (the same scalars; tensors of the same shapes, strides, dtypes and
-    alignment), or None while the autotuner is choosing."""
+    alignment), or None in compile_ahead's thread."""
     if streamed is None:
         launched = launcher(key, grid, *args, **consts, DESCRIPTORS=False)
         if launched is None:
@@ -737,8 +717,7 @@ def _launch(launcher: runtime.TunedLauncher, key: tuple, grid, args: tuple, cons
         fitted_args[:] = _descriptors(args, positions, shapes, config[block])
         return tuple(fitted_args), consts
 
-    tuning_args = args if key in launcher.chosen else _descriptors(args, positions, shapes, 16)
-    launched = launcher(key, grid, *tuning_args, **consts, fitted=fitted)
+    launched = launcher(key, grid, *args, **consts, fitted=fitted)
     if launched is None:
         return None
     entry, config_grid = launched

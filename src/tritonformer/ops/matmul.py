@@ -198,20 +198,6 @@ def _epilogue_store(
 
 
 @triton.jit
-def _device_descriptor(ptr, BATCH, ROWS, COLS, stride_b, stride_r, stride_c, TRANS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A descriptor of (BATCH, ROWS, COLS) matrices, over the transposed (BATCH, COLS, ROWS)
-    layout when TRANS (column-major matrices: TMA wants the last stride to be 1)."""
-    if TRANS:
-        desc = tl.make_tensor_descriptor(ptr, shape=[BATCH, COLS, ROWS], strides=[stride_b, stride_c, stride_r],
-                                         block_shape=[1, BLOCK_C, BLOCK_R])
-    else:
-        desc = tl.make_tensor_descriptor(ptr, shape=[BATCH, ROWS, COLS], strides=[stride_b, stride_r, stride_c],
-                                         block_shape=[1, BLOCK_R, BLOCK_C])
-    return desc
-
-
-@triton.jit
 def grouped_tile(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(row, column) of output tile t in grouped order: GROUP_M rows of tiles are walked column by
     column, so that the tiles running at once share their rows of A and columns of B in L2."""
@@ -261,20 +247,11 @@ def _matmul_kernel(
     negative_slope,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
-    STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
-    POINTER_LOADS: tl.constexpr,
+    STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, POINTER_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # HOST_DESCRIPTORS: a_ptr and b_ptr are tensor descriptors made on the host (_host_descriptor);
-    # otherwise they are made here, which costs a launch about 2 us before its first load.
-    # POINTER_LOADS: neither; a_ptr and b_ptr are read through their strides, masked.
-    if HOST_DESCRIPTORS or POINTER_LOADS:
-        a_desc = a_ptr
-        b_desc = b_ptr
-    else:
-        a_desc = _device_descriptor(a_ptr, BATCH, M, K, stride_ab, stride_am, stride_ak, A_TRANS, BLOCK_M, BLOCK_K)
-        b_desc = _device_descriptor(b_ptr, BATCH, K, N, stride_bb, stride_bk, stride_bn, B_TRANS, BLOCK_K, BLOCK_N)
-
+    # a_ptr and b_ptr are tensor descriptors made on the host (_host_descriptor), or with
+    # POINTER_LOADS plain pointers read through their strides, masked.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_per_matrix = tiles_m * tiles_n
@@ -315,13 +292,13 @@ def _matmul_kernel(
                             other=0.0)
             else:
                 if A_TRANS:
-                    a = a_desc.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
+                    a = a_ptr.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
                 else:
-                    a = a_desc.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
+                    a = a_ptr.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
                 if B_TRANS:
-                    b = b_desc.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
+                    b = b_ptr.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
                 else:
-                    b = b_desc.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+                    b = b_ptr.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -442,7 +419,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
 
     Returns a replay `(a, b, c, pre, bias, scale_a, scale_b) -> None` that issues the same
     launches (and padded copies) for new tensors of the same shapes, strides, dtypes and
-    alignment, or None when the autotuner has just chosen the config."""
+    alignment, or None in compile_ahead's thread."""
     a_layout, b_layout = _tma_layout(a, (batch, M, K), a_strides), _tma_layout(b, (batch, K, N), b_strides)
     pointer_loads = ((a_layout is None or b_layout is None or M <= POINTER_LOADS_MAX_M)
                      and batch * M * N * K <= POINTER_LOADS_MAX_WORK)
@@ -497,14 +474,10 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
         POINTER_LOADS=pointer_loads,
     )
-    # The autotuner times configs with descriptors made on the device (one kernel argument list
-    # fits every config); the chosen config then runs with descriptors made on the host.
-    runtime.ensure_tma_allocator()
     main = _launch_matmul(
-        key, grid, *main_args(a, b, c, pre, bias, scale_a, scale_b), **constexprs, HOST_DESCRIPTORS=False,
+        key, grid, *main_args(a, b, c, pre, bias, scale_a, scale_b), **constexprs,
         fitted=None if pointer_loads else lambda config: (
-            main_args(*descriptors(a, b, config), c, pre, bias, scale_a, scale_b),
-            dict(**constexprs, HOST_DESCRIPTORS=True)))
+            main_args(*descriptors(a, b, config), c, pre, bias, scale_a, scale_b), constexprs))
     if main is None:
         return None
     main_entry, main_grid = main
@@ -526,7 +499,9 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
 
 def _host_descriptor(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], trans: bool,
                      block_rows: int, block_cols: int) -> TensorDescriptor:
-    """The host-side twin of _device_descriptor."""
+    """A descriptor of (batch, rows, cols) matrices in (1, block_rows, block_cols) boxes, over the
+    transposed (batch, cols, rows) layout when `trans` (column-major matrices: TMA wants the last
+    stride to be 1)."""
     batch, rows, cols = shape
     stride_b, stride_r, stride_c = strides
     if trans:
