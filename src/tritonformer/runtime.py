@@ -99,14 +99,15 @@ def capability(device_index: int = 0) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def autotune(configs: Iterable[triton.Config], key: list[str], **kwargs):
+def autotune(configs: Iterable[triton.Config], **kwargs):
     """`triton.autotune`, as a kernel's list of candidate configs for a TunedLauncher (which times
-    them itself); under the interpreter, which cannot time configs, the first config alone."""
+    them itself, under the key its caller gives); under the interpreter, which cannot time
+    configs, the first config alone."""
     configs = list(configs)
     if INTERPRET:
         configs = configs[:1]
         kwargs.pop("prune_configs_by", None)
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    return triton.autotune(configs=configs, key=[], **kwargs)
 
 
 # Set in a thread that only readies kernels: launchers start compiles (FastLaunch, TunedLauncher)
@@ -333,7 +334,7 @@ class TunedLauncher:
     @classmethod
     def chosen_configs(cls) -> dict[str, dict[str, dict]]:
         """Every config chosen so far, by kernel name and key (what a benchmark run tuned to), with
-        the candidates' tuning times in ms where this process timed them."""
+        the candidates' tuning times in ms (timed here or read from disk)."""
         return {t.autotuned.fn.__name__: {repr(key): dict(config, tuning_ms=t.timings.get(key))
                                            for key, config in t.chosen.items()}
                 for t in cls.instances if t.chosen}
@@ -347,16 +348,20 @@ class TunedLauncher:
         config = self.chosen.get(key)
         if config is None:
             candidates = self._candidates(args, kwargs)
-            timed = KEEP_TUNING and self._timed(candidates)
-            record = _TuningRecord(self.autotuned.fn, key, candidates) if timed else None
+
+            def arguments(config: dict) -> tuple[tuple, dict]:
+                return fitted(config) if fitted is not None else (args, kwargs)
+
+            keep = KEEP_TUNING and self._timed(candidates)
+            record = _TuningRecord(self.autotuned.fn, key, candidates) if keep else None
             known = record.load() if record else None
             # A choice read from disk compiles alone; otherwise every candidate, side by side.
             self._compile_candidates(key, grid, candidates if known is None else [candidates[_fastest(known)]],
-                                     args, kwargs, fitted)
+                                     arguments)
             if _COMPILE_ONLY.get():
                 return None
             if known is None and self._timed(candidates):
-                known = self._time_candidates(grid, candidates, args, kwargs, fitted)
+                known = self._time_candidates(grid, candidates, arguments)
                 if record:
                     record.save(known)
             if known is not None:
@@ -380,7 +385,7 @@ class TunedLauncher:
             configs = prune(configs, dict(zip(self.autotuned.fn.arg_names, args)), **kwargs)
         return configs
 
-    def _compile_candidates(self, key, grid, candidates, args, kwargs, fitted) -> None:
+    def _compile_candidates(self, key, grid, candidates, arguments: Callable) -> None:
         """Compile the candidates side by side and wait for them; in compile_ahead's thread, only
         start them."""
         if INTERPRET:
@@ -391,7 +396,7 @@ class TunedLauncher:
             futures = self.compiling[key] = []
             for c in candidates:
                 config = c.all_kwargs()
-                c_args, c_kwargs = fitted(config) if fitted is not None else (args, kwargs)
+                c_args, c_kwargs = arguments(config)
                 futures.append(_in_background(_compile_pool(), _warmup, self.autotuned.fn, device, grid(config),
                                               c_args, {**c_kwargs, **config}))
         if _COMPILE_ONLY.get():
@@ -399,10 +404,10 @@ class TunedLauncher:
         for future in futures:
             future.exception()  # a config that fails to compile is timed as failing
 
-    def _time_candidates(self, grid, candidates, args, kwargs, fitted) -> list[float]:
+    def _time_candidates(self, grid, candidates, arguments: Callable) -> list[float]:
         def run_time(c: triton.Config) -> float:
             config = c.all_kwargs()
-            c_args, c_kwargs = fitted(config) if fitted is not None else (args, kwargs)
+            c_args, c_kwargs = arguments(config)
             c_grid = grid(config)
             try:
                 # Through FastLaunch: JITFunction.run with host-made descriptors takes over 100 us

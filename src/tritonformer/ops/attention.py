@@ -440,8 +440,7 @@ def _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr, CAUSAL: tl.constexpr, VA
     return b, h, hk, q_start, len_q, k_start, len_k, pid_m * BLOCK_M
 
 
-@runtime.autotune(configs=_fwd_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
-                  prune_configs_by={"early_config_prune": _prune_fwd})
+@runtime.autotune(configs=_fwd_configs(), prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
@@ -504,8 +503,7 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
-@runtime.autotune(configs=_dkdv_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
-                  prune_configs_by={"early_config_prune": _prune_dkdv})
+@runtime.autotune(configs=_dkdv_configs(), prune_configs_by={"early_config_prune": _prune_dkdv})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
@@ -580,8 +578,7 @@ def _attention_bwd_dkdv_kernel(
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@runtime.autotune(configs=_dq_configs(), key=["S_q", "S_k", "HEAD_D", "CAUSAL", "WINDOW", "VARLEN"],
-                  prune_configs_by={"early_config_prune": _prune_dq})
+@runtime.autotune(configs=_dq_configs(), prune_configs_by={"early_config_prune": _prune_dq})
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, dlse_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,

@@ -234,9 +234,6 @@ def split_k_total(acc, ws_ptr, counter_ptr, tile_id, split, rm, rn, M, N, SPLIT_
 
 @runtime.autotune(
     configs=_configs(),
-    # The epilogue is in the key: an erf-GELU on a 128x256 float32 tile needs other tiles than none.
-    key=["M", "N", "K", "BATCH", "SPLIT_K", "A_TRANS", "B_TRANS", "HAS_BIAS", "ACTIVATION", "STORE_PRE",
-         "POINTER_LOADS"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -466,6 +463,8 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         return (_host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
                 _host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
 
+    # The tuning key. The epilogue is in it: an erf-GELU on a 128x256 float32 tile needs other
+    # tiles than none.
     key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None,
            pointer_loads)
     constexprs = dict(
