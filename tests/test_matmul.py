@@ -199,6 +199,25 @@ def test_replayed_calls_match_the_reference(case, loads, device, monkeypatch):
         assert_close(out, ref, torch.float32, "norm")
 
 
+def test_sizes_in_one_power_of_two_bucket_share_one_tuning(device):
+    """Training with padding or packing changes the token count every batch: the rows of a
+    product (and K, where the tokens are summed over in a weight gradient) tune once a power-of-two
+    bucket, and every size in the bucket runs correctly on that choice."""
+    chosen = matmul_op._launch_matmul.chosen
+    b = torch.randn(48, 24, device=device)
+    before = set(chosen)
+    for rows in (65, 100, 128, 129):
+        a = torch.randn(rows, 48, device=device)
+        assert_close(tf.matmul(a, b), matmul_op.matmul_reference(a.double(), b.double()), torch.float32, "norm")
+    assert len(set(chosen) - before) == 2  # 65-128, then 129
+    before = set(chosen)
+    for tokens in (33, 50, 64):
+        x, dy = torch.randn(tokens, 40, device=device), torch.randn(tokens, 24, device=device)
+        assert_close(tf.matmul(x.mT, dy), matmul_op.matmul_reference(x.double().mT, dy.double()), torch.float32,
+                     "norm")
+    assert len(set(chosen) - before) == 1
+
+
 @pytest.mark.parametrize("split_k", [2, 5])
 def test_split_k_last_arrival_sums_in_order_and_resets_its_counters(split_k, device, monkeypatch):
     """Split-K over several tiles: the last split of each tile adds the partials. The sum runs in

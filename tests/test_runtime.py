@@ -7,6 +7,8 @@ import triton.language as tl
 import tritonformer as tf
 from tritonformer import runtime
 
+from conftest import gpu_only
+
 
 def test_backward_replays_products_planned_in_the_forward_thread(device):
     # The autograd engine runs backward on threads of its own, where no CUDA context need be
@@ -24,6 +26,27 @@ def test_backward_replays_products_planned_in_the_forward_thread(device):
     torch.testing.assert_close(da, dout @ b.detach().T, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(db, a.detach().T @ dout, rtol=1e-2, atol=1e-2)
 
+
+
+@gpu_only
+def test_replays_go_to_the_c_launcher_with_each_address_encoded_once():
+    """A replayed launch skips Triton's Python layers around the compiled C launcher, and its
+    tensor descriptors are encoded once for each address, shape and strides. Operands at one
+    address with other row counts or other strides, and new contents there, must each be read
+    as they are."""
+    from tritonformer.ops import matmul as matmul_op
+
+    big = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    views = [big[:256], big[:384], big[:256], big[:320], big.view(256, 384)[:, :256], big[:256]]
+    for step, a in enumerate(views):
+        if step == len(views) - 1:
+            big.copy_(torch.randn_like(big))
+        torch.testing.assert_close(tf.matmul(a, b), a @ b, rtol=2e-2, atol=2e-2)
+    direct = [entry[3] for entry in matmul_op._launch_matmul.launch.entries.values()]
+    assert None not in direct and any(len(d[1]) == 2 for d in direct)  # the TMA kernel's two
+    keys = [key for key in runtime._encoded_descriptors if key[1] == big.data_ptr()]
+    assert {(key[2][1], key[3][1]) for key in keys} == {(256, 256), (320, 256), (384, 256), (256, 384)}
 
 
 def test_cuda_context_bound_once_a_thread_and_device(monkeypatch):

@@ -442,8 +442,7 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         """The split-K workspace and counters (c stands in for both without a split)."""
         if split_k == 1:
             return c, c
-        return (torch.empty((split_k, M, N), dtype=torch.float32, device=c.device),
-                runtime.arrival_counters(c.device, counters_needed))
+        return runtime.workspace(c.device, split_k * M * N), runtime.arrival_counters(c.device, counters_needed)
 
     scale_a_mode, scale_b_mode = _scale_mode(scale_a), _scale_mode(scale_b)
     element_size = a.element_size()
@@ -463,10 +462,12 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
         return (_host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
                 _host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
 
-    # The tuning key. The epilogue is in it: an erf-GELU on a 128x256 float32 tile needs other
-    # tiles than none.
-    key = (batch, M, N, K, split_k, a_trans, b_trans, a.dtype, bias is not None, activation, pre is not None,
-           pointer_loads)
+    # The tuning key. Sizes go in by power-of-two bucket: the token count (M, or K in a weight
+    # gradient) changes from batch to batch in training with padding or packing, and tuning takes
+    # about a second of timing a size. The epilogue is in it: an erf-GELU on a 128x256 float32
+    # tile needs other tiles than none.
+    key = (*map(runtime.next_power_of_2, (batch, M, N, K)), split_k, a_trans, b_trans, a.dtype, bias is not None,
+           activation, pre is not None, pointer_loads)
     constexprs = dict(
         A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,

@@ -681,8 +681,7 @@ def _split_buffers(split: int, N: int, c: torch.Tensor, tiles: int) -> tuple[tor
     not split."""
     if split == 1:
         return c, c
-    return (torch.empty((split, c.shape[0], N), dtype=torch.float32, device=c.device),
-            runtime.arrival_counters(c.device, tiles))
+    return runtime.workspace(c.device, split * c.shape[0] * N), runtime.arrival_counters(c.device, tiles)
 
 
 def _operand(name: str, t) -> None:
