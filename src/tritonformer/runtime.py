@@ -340,8 +340,8 @@ def _direct_launch(compiled) -> tuple | None:
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
     if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
         return None
-    metas = cells["tensordesc_meta"] or [None] * len(cells["tensordesc_indices"])
-    if any(meta is None for meta in metas):
+    metas = cells["tensordesc_meta"]
+    if not metas or None in metas:  # descriptors Triton decomposes without metadata
         return None
     descriptors = tuple(
         (position, meta, (meta["swizzle"], meta["elem_size"], meta["elem_type"], tuple(meta["block_size"]),
@@ -407,15 +407,15 @@ class TunedLauncher:
             def arguments(config: dict) -> tuple[tuple, dict]:
                 return fitted(config) if fitted is not None else (args, kwargs)
 
-            keep = KEEP_TUNING and self._timed(candidates)
-            record = _TuningRecord(self.autotuned.fn, key, candidates) if keep else None
+            timed = self._timed(candidates)
+            record = _TuningRecord(self.autotuned.fn, key, candidates) if KEEP_TUNING and timed else None
             known = record.load() if record else None
             # A choice read from disk compiles alone; otherwise every candidate, side by side.
             self._compile_candidates(key, grid, candidates if known is None else [candidates[_fastest(known)]],
                                      arguments)
             if _COMPILE_ONLY.get():
                 return None
-            if known is None and self._timed(candidates):
+            if known is None and timed:
                 known = self._time_candidates(grid, candidates, arguments)
                 if record:
                     record.save(known)
