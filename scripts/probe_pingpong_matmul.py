@@ -31,16 +31,6 @@ import tritonformer as tf
 from tritonformer.ops import matmul as mm
 
 
-@gluon.jit
-def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = tile // per_group * GROUP_M
-    rows = gl.minimum(tiles_m - first_m, GROUP_M)
-    return (first_m + tile % per_group % rows) * BLOCK_M, (tile % per_group // rows) * BLOCK_N
-
-
 LOADER = gl.constexpr(2)  # the partition role of the loader; consumers are 0 and 1
 
 
@@ -55,13 +45,16 @@ def _partition(descs, bufs, bars, c_ptr, bias_ptr, M, N, K, stride_cm, negative_
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     k_tiles = gl.cdiv(K, BLOCK_K)
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = tiles_m * tiles_n
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     if role == LOADER:
         step = 0
         for tile in range(pid, num_tiles, nprog):
-            off_m, off_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = mm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+            off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             for k in range(k_tiles):
                 s = step % STAGES
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
@@ -74,7 +67,8 @@ def _partition(descs, bufs, bars, c_ptr, bias_ptr, M, N, K, stride_cm, negative_
                                                              instr_shape=[16, BLOCK_N, 16])
         j = 0
         for tile in range(pid + role * nprog, num_tiles, 2 * nprog):
-            off_m, off_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = mm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+            off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             step = (tile - pid) // nprog * k_tiles
             # Mainloops take turns: this tile's starts when the other consumer's previous one has
             # waited for all its slots. A barrier's parity tells apart only adjacent phases, so a
