@@ -115,7 +115,7 @@ def main() -> None:
             y, stats = norm.norm_fwd(x, w, b, EPS, 0.0, False, x.dtype)
             for _, s in vs:
                 with settings(N, **s):
-                    norm.norm_bwd(dy, x, w, b, stats, 0.0, False)
+                    norm.norm_bwd(dy, x, w, b, stats, 0.0, False, torch.float32)
     finally:
         runtime._COMPILE_ONLY.reset(token)
     compiled = torch.compile(torch_layer_norm, dynamic=False)
@@ -146,7 +146,7 @@ def main() -> None:
         for label, s in vs:
             with settings(N, **s):
                 measure(label, lambda: torch.autograd.grad(tritonformer.layer_norm(x, w, b, EPS), inputs, dy),
-                        lambda: norm.norm_bwd(dy, x, w, b, stats, 0.0, False))
+                        lambda: norm.norm_bwd(dy, x, w, b, stats, 0.0, False, torch.float32))
 
     print(f"\nLayerNorm forward + backward, bf16, weight and bias; GB/s = 5 x M x N x 2 bytes / time "
           f"({time.perf_counter() - t0:.0f} s in all)")

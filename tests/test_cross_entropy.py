@@ -399,3 +399,26 @@ def test_fused_peak_memory_is_far_below_the_logits():
     extra = torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)
     logits_bytes = T * V * 2
     assert extra < logits_bytes / 4, f"{extra / 2**20:.0f} MiB beyond inputs and gradients"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_replayed_launches_see_each_calls_data(device, reduction):
+    """A signature's first call plans the forward (its reduction fused: the last row program sums
+    the rows) and the backward; later calls replay them on their own logits and targets, some
+    rows ignored: loss and gradient against float64 every call, the replays taken."""
+    ce._fwd_plans.clear()
+    ce._bwd_plans.clear()
+    N, V, dtype = 37, 101, torch.bfloat16
+    for _ in range(3):
+        logits = (torch.randn(N, V, device=device) * 4).to(dtype).requires_grad_(True)
+        target = torch.randint(0, V, (N,), device=device)
+        target[torch.rand(N, device=device) < 0.3] = -100
+        loss = tf.cross_entropy(logits, target, reduction=reduction)
+        ref_logits = logits.detach().double().requires_grad_(True)
+        expected = F.cross_entropy(ref_logits, target, reduction=reduction)
+        upstream = torch.randn_like(expected)
+        assert_close(loss, expected, dtype, "norm")
+        (grad,) = torch.autograd.grad(loss, logits, upstream.to(dtype))
+        (want,) = torch.autograd.grad(expected, ref_logits, upstream)
+        assert_close(grad, want, dtype, "norm")
+    assert len(ce._fwd_plans) == 1 and len(ce._bwd_plans) == 1

@@ -381,10 +381,10 @@ def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, se
     x = torch.empty(tokens, hidden, dtype=dtype, device=device)
     norm_weight = torch.empty(hidden, dtype=dtype, device=device)
     y, stats = norm_fwd(x, norm_weight, None, 1e-6, family.norm_offset, True, dtype)
-    norm_bwd(y, x, norm_weight, None, stats, family.norm_offset, True)
+    norm_bwd(y, x, norm_weight, None, stats, family.norm_offset, True, dtype)
     if family.add_norm:
         y, h, stats = add_norm_fwd(x, x, norm_weight, 1e-6, family.norm_offset, dtype)
-        norm_bwd(y, h, norm_weight, None, stats, family.norm_offset, True, y)
+        norm_bwd(y, h, norm_weight, None, stats, family.norm_offset, True, dtype, y)
 
     # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
     def heads_view(n):

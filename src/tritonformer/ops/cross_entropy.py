@@ -126,9 +126,14 @@ def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss,
 
 @triton.jit
 def _ce_fwd_kernel(
-    x_ptr, target_ptr, loss_ptr, stats_ptr, V, stride_x, stride_t, ignore_index, label_smoothing, z_loss,
-    CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    x_ptr, target_ptr, loss_ptr, stats_ptr, out_ptr, counter_ptr, V, stride_x, stride_t, ignore_index,
+    label_smoothing, z_loss, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
 ):
+    """A row's loss to loss_ptr[row] and its (max, log-sum) to stats_ptr[2 row:]. REDUCE: the
+    program that arrives last (counted at counter_ptr, reset after) also reduces the row losses
+    into out_ptr and writes the count of rows not ignored to stats_ptr[2 N] (one launch instead
+    of a second for the reduction: host time is what small losses cost)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(target_ptr + row * stride_t)
     loss = tl.zeros((), tl.float32)
@@ -139,14 +144,24 @@ def _ce_fwd_kernel(
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
     tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
+    if REDUCE:
+        N = tl.num_programs(0)
+        # One thread does the atomic: the barrier orders every thread's store before its release.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == N - 1:
+            _reduce_rows(loss_ptr, target_ptr, out_ptr, stats_ptr + 2 * N, stats_ptr, N, stride_t, ignore_index,
+                         MEAN, False, REDUCE_BLOCK)
+            tl.store(counter_ptr, 0)
 
 
 @triton.jit
 def _ce_bwd_kernel(
-    x_ptr, target_ptr, stats_ptr, grad_loss_ptr, count_ptr, dx_ptr,
+    x_ptr, target_ptr, stats_ptr, grad_loss_ptr, dx_ptr,
     V, stride_x, stride_dx, stride_t, stride_grad, ignore_index, label_smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """A block of a row's gradient; stats as the forward left them (the count of rows not ignored
+    after the rows' pairs)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
@@ -157,7 +172,7 @@ def _ce_bwd_kernel(
     else:
         g = tl.load(grad_loss_ptr + row * stride_grad).to(tl.float32)
         if MEAN:
-            g = g / tl.load(count_ptr)
+            g = g / tl.load(stats_ptr + 2 * tl.num_programs(0))
         m = tl.load(stats_ptr + 2 * row)
         log_s = tl.load(stats_ptr + 2 * row + 1)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -194,19 +209,18 @@ def _loss_and_grad_kernel(
 
 
 @triton.jit
-def _reduce_kernel(
-    loss_ptr, target_ptr, out_ptr, count_ptr, divisor_ptr, N, stride_t, ignore_index,
-    MEAN: tl.constexpr, HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """out = sum of the row losses (divided by the count of rows not ignored when MEAN, or by
-    divisor); count_ptr gets that count. One program: a fixed summation order, no atomics."""
+def _reduce_rows(loss_ptr, target_ptr, out_ptr, count_ptr, divisor_ptr, N, stride_t, ignore_index,
+                 MEAN: tl.constexpr, HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the N row losses (divided by the count of rows not ignored when MEAN, or by
+    divisor); count_ptr gets that count. A fixed summation order, no atomics. The loads are .cg:
+    other programs of the launch may have written the losses (read at L2, never a stale L1 line)."""
     cols = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, N, BLOCK):
         offs = start + cols
         mask = offs < N
-        total += tl.load(loss_ptr + offs, mask=mask, other=0.0)
+        total += tl.load(loss_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
         t = tl.load(target_ptr + offs.to(tl.int64) * stride_t, mask=mask, other=ignore_index)
         count += (t != ignore_index).to(tl.int32)
     out = tl.sum(total, axis=0)
@@ -217,6 +231,16 @@ def _reduce_kernel(
         out = out / tl.load(divisor_ptr).to(tl.float32)
     tl.store(out_ptr, out.to(out_ptr.dtype.element_ty))
     tl.store(count_ptr, n)
+
+
+@triton.jit
+def _reduce_kernel(
+    loss_ptr, target_ptr, out_ptr, count_ptr, divisor_ptr, N, stride_t, ignore_index,
+    MEAN: tl.constexpr, HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """_reduce_rows in one program."""
+    _reduce_rows(loss_ptr, target_ptr, out_ptr, count_ptr, divisor_ptr, N, stride_t, ignore_index, MEAN,
+                 HAS_DIVISOR, BLOCK)
 
 
 @triton.jit
@@ -254,8 +278,10 @@ def _row_losses(x, target, loss, stats, ignore_index, label_smoothing, z_loss) -
     N, V = x.shape
     if N == 0:
         return
-    _launch_fwd((N,), x, target, loss, stats, V, x.stride(0), target.stride(0), ignore_index,
-                label_smoothing, z_loss, **_row_launch(V), **_flags(label_smoothing, z_loss))
+    # loss and stats stand in for the reduction's pointers, never read without REDUCE.
+    _launch_fwd((N,), x, target, loss, stats, loss, stats, V, x.stride(0), target.stride(0), ignore_index,
+                label_smoothing, z_loss, **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=False,
+                MEAN=False, REDUCE_BLOCK=REDUCE_BLOCK)
 
 
 def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> None:
@@ -266,93 +292,122 @@ def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> 
                    BLOCK=min(REDUCE_BLOCK, max(16, runtime.next_power_of_2(N))), num_warps=4)
 
 
+# Planned launches by call signature (runtime.tensor_key of each tensor, the device, the options):
+# a later call of the signature replays its launch. A small loss's time is its host time.
+_fwd_plans = runtime.PlanTable()
+_bwd_plans = runtime.PlanTable()
+
+
 def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction):
     N = logits.shape[0]
     loss = logits.new_empty((N,) if reduction == "none" else ())
-    count = logits.new_empty((0,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty((N, 2), dtype=torch.float32), count
+    return loss, logits.new_empty((2 * N + 1,), dtype=torch.float32)
 
 
 @runtime.custom_op("cross_entropy_fwd", fake=_fake_cross_entropy_fwd)
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
     reduction: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, per-row (max, log-sum) in float32, count of rows not ignored) for logits (N, V) with
-    unit column stride. The count is an empty tensor for reduction "none"."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, stats) for logits (N, V) with unit column stride: stats holds each row's (max,
+    log-sum) in float32, then (reduced losses) the count of rows not ignored."""
     N, device = logits.shape[0], logits.device
-    stats = runtime.empty((N, 2), torch.float32, device)
-    if reduction == "none":
-        loss = runtime.empty((N,), logits.dtype, device)
-        _row_losses(logits, target, loss, stats, ignore_index, label_smoothing, z_loss)
-        return loss, stats, torch.empty(0, device=device)
-    row_loss = runtime.empty((N,), torch.float32, device)
-    _row_losses(logits, target, row_loss, stats, ignore_index, label_smoothing, z_loss)
-    loss = runtime.empty((), logits.dtype, device)
-    count = runtime.empty((), torch.float32, device)
-    _reduce(row_loss, target, loss, count, None, ignore_index, mean=reduction == "mean")
-    return loss, stats, count
+    stats = runtime.empty((2 * N + 1,), torch.float32, device)
+    reduced = reduction != "none"
+    loss = runtime.empty((() if reduced else (N,)), logits.dtype, device)
+    plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), device, ignore_index, label_smoothing,
+                z_loss, reduction)
+    plan = _fwd_plans.get(plan_key)
+    if plan is not None and not runtime.compiling_ahead():
+        entry, scalars = plan
+        # The row losses of a reduction live in the stream's workspace: the same launch reads them.
+        row_loss = runtime.workspace(device, N) if reduced else loss
+        _launch_fwd.replay(entry, (N,), logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1),
+                           *scalars)
+        return loss, stats
+    if N == 0:
+        if reduced:  # 0 / 0 for the mean, 0 for the sum, as torch; the count 0 at stats[0]
+            _reduce(stats[:0], target, loss, stats, None, ignore_index, mean=reduction == "mean")
+        return loss, stats
+    V = logits.shape[1]
+    row_loss = runtime.workspace(device, N) if reduced else loss
+    scalars = (V, logits.stride(0), target.stride(0), ignore_index, label_smoothing, z_loss)
+    entry = _launch_fwd((N,), logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1), *scalars,
+                        **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=reduced, MEAN=reduction == "mean",
+                        REDUCE_BLOCK=REDUCE_BLOCK)
+    if entry is not None:
+        _fwd_plans.put(plan_key, (entry, scalars))
+    return loss, stats
 
 
-def _grad_into(dx, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
     N, V = logits.shape
     if N == 0:
         return
+    plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), runtime.tensor_key(grad_loss),
+                dx is logits, logits.device, ignore_index, label_smoothing, z_loss, reduction)
+    plan = _bwd_plans.get(plan_key)
+    grid = (N, runtime.cdiv(V, BWD_BLOCK))
+    if plan is not None and not runtime.compiling_ahead():
+        entry, scalars = plan
+        _launch_bwd.replay(entry, grid, logits, target, stats, grad_loss, dx, *scalars)
+        return
     stride_grad = grad_loss.stride(0) if reduction == "none" else 0
-    _launch_bwd((N, runtime.cdiv(V, BWD_BLOCK)), logits, target, stats, grad_loss, count, dx,
-                V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing,
-                z_loss, MEAN=reduction == "mean", **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK,
-                num_warps=BWD_WARPS)
+    scalars = (V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing, z_loss)
+    entry = _launch_bwd(grid, logits, target, stats, grad_loss, dx, *scalars, MEAN=reduction == "mean",
+                        **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK, num_warps=BWD_WARPS)
+    if entry is not None:
+        _bwd_plans.put(plan_key, (entry, scalars))
 
 
-def _fake_cross_entropy_bwd(logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+def _fake_cross_entropy_bwd(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
     return logits.new_empty(logits.shape)
 
 
 @runtime.custom_op("cross_entropy_bwd", fake=_fake_cross_entropy_bwd)
 def cross_entropy_bwd(
-    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, count: torch.Tensor, grad_loss: torch.Tensor,
+    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_loss: torch.Tensor,
     ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
 ) -> torch.Tensor:
     """The gradient of the loss with respect to logits (N, V), in a new contiguous tensor."""
     dx = runtime.empty(logits.shape, logits.dtype, logits.device)
-    _grad_into(dx, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+    _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
     return dx
 
 
-def _fake_cross_entropy_bwd_inplace(logits, target, stats, count, grad_loss, ignore_index, label_smoothing,
-                                    z_loss, reduction):
+def _fake_cross_entropy_bwd_inplace(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss,
+                                    reduction):
     return None
 
 
 @runtime.custom_op("cross_entropy_bwd_inplace", fake=_fake_cross_entropy_bwd_inplace, mutates_args=("logits",))
 def cross_entropy_bwd_inplace(
-    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, count: torch.Tensor, grad_loss: torch.Tensor,
+    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_loss: torch.Tensor,
     ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
 ) -> None:
     """cross_entropy_bwd, written over the logits (each program reads its block before writing it)."""
-    _grad_into(logits, logits, target, stats, count, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+    _grad_into(logits, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, inplace_backward):
-        loss, stats, count = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction)
+        loss, stats = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction)
         # Saved detached when the backward writes into it: the gradient returned is then an alias
         # of the logits, not the logits tensor itself (a leaf would become its own .grad).
-        ctx.save_for_backward(logits.detach() if inplace_backward else logits, target, stats, count)
+        ctx.save_for_backward(logits.detach() if inplace_backward else logits, target, stats)
         ctx.args = (ignore_index, label_smoothing, z_loss, reduction)
         ctx.inplace_backward = inplace_backward
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, target, stats, count = ctx.saved_tensors
+        logits, target, stats = ctx.saved_tensors
         if ctx.inplace_backward:
-            cross_entropy_bwd_inplace(logits, target, stats, count, grad_loss, *ctx.args)
+            cross_entropy_bwd_inplace(logits, target, stats, grad_loss, *ctx.args)
             dlogits = logits
         else:
-            dlogits = cross_entropy_bwd(logits, target, stats, count, grad_loss, *ctx.args)
+            dlogits = cross_entropy_bwd(logits, target, stats, grad_loss, *ctx.args)
         return dlogits, None, None, None, None, None, None
 
 

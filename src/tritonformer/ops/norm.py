@@ -179,12 +179,13 @@ def _bwd_tile(x_ptr, dy_ptr, stats_ptr, rows, row_ok, cols, col_ok, stride_xm, s
 
 @triton.jit
 def _norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, stats_ptr, dw_part_ptr, db_part_ptr,
+    x_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, stats_ptr, part_ptr,
     M, N, stride_xm, stride_dym, stride_drm, stride_dxm, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
     HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RELOAD_W: tl.constexpr,
 ):
-    """HAS_DRES: dx also gets dres, the gradient that x's other uses sent back (an add fused:
+    """Each program's dw and db column sums go to part_ptr as rows of (dw, db) x programs x N
+    (those that exist). HAS_DRES: dx also gets dres, the gradient that x's other uses sent back (an add fused:
     one rounding instead of two). RELOAD_W: the weight is loaded again for every row (from L1)
     instead of held in registers, which leaves them to longer rows."""
     pid = tl.program_id(0)
@@ -223,9 +224,26 @@ def _norm_bwd_kernel(
             dx += tl.load(dres_ptr + rows64 * stride_drm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_W:
-        tl.store(dw_part_ptr + pid * N + cols, dw, mask=col_ok)
+        tl.store(part_ptr + pid * N + cols, dw, mask=col_ok)
     if HAS_B:
-        tl.store(db_part_ptr + pid * N + cols, db, mask=col_ok)
+        tl.store(part_ptr + (HAS_W * programs + pid) * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def _sum_parts_kernel(parts_ptr, sums_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sums[i, cols] = the sum over p of parts[i, p, cols] (float32), stored in sums' dtype: the
+    backward's dw/db partial rows reduced and cast in one launch (torch's sum then cast is two,
+    and each launch is host time a small backward cannot spare)."""
+    param = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    parts = parts_ptr + param * P * N
+    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        acc += tl.load(parts + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < P) & col_ok[None, :],
+                       other=0.0)
+    tl.store(sums_ptr + param * N + cols, tl.sum(acc, axis=0).to(sums_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -431,6 +449,8 @@ _launch_bwd = runtime.FastLaunch(_norm_bwd_kernel)
 _launch_bwd_looped = runtime.FastLaunch(_norm_bwd_looped_kernel)
 _launch_ln_coef = runtime.FastLaunch(_ln_bwd_coef_kernel)
 _launch_ln_cols = runtime.FastLaunch(_ln_bwd_cols_kernel)
+_launch_sum_parts = runtime.FastLaunch(_sum_parts_kernel)
+SUM_PARTS_BLOCK_P, SUM_PARTS_BLOCK_N = 64, 32
 
 
 def _flags(rms: bool, weight, bias, offset: float) -> dict:
@@ -439,11 +459,7 @@ def _flags(rms: bool, weight, bias, offset: float) -> dict:
     return dict(RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ROUND_XHAT=rms and offset == 0.0)
 
 
-def _tensor_key(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
-# Planned launches of the in-register kernels by call signature (_tensor_key of every tensor, the
+# Planned launches of the in-register kernels by call signature (runtime.tensor_key of every tensor, the
 # options): a later call of the signature replays its launch. On the H100 machine's host the
 # wrappers of a forward+backward otherwise take longer than the GPU at 16384 x 4096.
 _fwd_plans = runtime.PlanTable()
@@ -462,7 +478,7 @@ def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tenso
     """norm_fwd, plus the call's plan key, which also keys the backward of this forward (see
     _norm_bwd: x, weight, bias and stats come back to it unchanged)."""
     # The device too: a plan's compiled kernel is loaded on one GPU.
-    plan_key = (_tensor_key(x), x.device, _tensor_key(weight), _tensor_key(bias), eps, offset, rms, out_dtype)
+    plan_key = (runtime.tensor_key(x), x.device, runtime.tensor_key(weight), runtime.tensor_key(bias), eps, offset, rms, out_dtype)
     plan = _fwd_plans.get(plan_key)
     if plan is not None and not runtime.compiling_ahead():
         stats_len, entry, grid, scalars = plan
@@ -518,21 +534,24 @@ def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
 
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             stats: torch.Tensor, offset: float, rms: bool,
+             stats: torch.Tensor, offset: float, rms: bool, sums_dtype: torch.dtype,
              dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, sums): sums holds dw then db (those that exist) as float32 rows. dres, when given, is
-    added into dx (rows up to FUSED_MAX_N)."""
-    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres)
+    """(dx, sums): sums holds dw then db (those that exist) as rows of `sums_dtype` (summed in
+    float32). dres, when given, is added into dx (rows up to FUSED_MAX_N)."""
+    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres, sums_dtype=sums_dtype)
 
 
-def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_bwd; fwd_key, the plan key _norm_fwd gave the forward that made x, weight, bias and
-    stats, stands for their part of this call's key (five tensor keys less on the host path)."""
+def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None,
+              sums_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_bwd, with the sums in `sums_dtype`; fwd_key, the plan key _norm_fwd gave the forward
+    that made x, weight, bias and stats, stands for their part of this call's key (five tensor
+    keys less on the host path)."""
     if fwd_key is None:
-        plan_key = (_tensor_key(dy), _tensor_key(x), x.device, _tensor_key(weight), _tensor_key(bias),
-                    _tensor_key(stats), _tensor_key(dres), offset, rms)
+        plan_key = (runtime.tensor_key(dy), runtime.tensor_key(x), x.device, runtime.tensor_key(weight),
+                    runtime.tensor_key(bias), runtime.tensor_key(stats), runtime.tensor_key(dres), offset, rms,
+                    sums_dtype)
     else:
-        plan_key = (fwd_key, _tensor_key(dy), _tensor_key(dres))
+        plan_key = (fwd_key, runtime.tensor_key(dy), runtime.tensor_key(dres), sums_dtype)
     replay = _bwd_plans.get(plan_key)
     if replay is not None and not runtime.compiling_ahead():
         return replay(dy, x, weight, bias, stats, dres)
@@ -542,46 +561,65 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None) 
     # A replay passes the caller's tensors: only calls whose row views are views plan.
     views = all(r is None or r.data_ptr() == t.data_ptr() for r, t in ((x_rows, x), (dy_rows, dy), (dres_rows, dres)))
     M = x_rows.shape[0]
+    n_params = (weight is not None) + (bias is not None)
     dx = runtime.empty(x.shape, x.dtype, x.device)
+    if M == 0 or N == 0:
+        return dx, torch.zeros((n_params, N), dtype=sums_dtype, device=x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
     if looped and not rms and dres is None and LAYER_NORM_WIDE_BWD == "split":
         sums, replay = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
         if replay is not None and views:
-            _bwd_plans.put(plan_key, replay)
-        return dx, sums
+            _bwd_plans.put(plan_key, replay if sums_dtype == torch.float32 else
+                           functools.partial(_replay_cast, replay, sums_dtype))
+        return dx, sums.to(sums_dtype)
     block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
     programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
-    # dw and db partial rows in one buffer; the looped kernel accumulates into them, so zeroed.
-    n_params = (weight is not None) + (bias is not None)
-    parts = (torch.zeros if looped else runtime.empty)((n_params, programs, N), dtype=torch.float32, device=x.device)
-    dw_part = parts[0] if weight is not None else parts
-    db_part = parts[n_params - 1] if bias is not None else parts
-    if M > 0 and N > 0:
-        flags = _flags(rms, weight, bias, offset)
-        if looped:
-            _launch_bwd_looped((programs,), x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
-                               x_rows.stride(0), dy_rows.stride(0), N, float(offset), **flags, CHUNK=LOOP_CHUNK,
-                               num_warps=LOOPED_BWD_WARPS)
-            if dres is not None:
-                dx.add_(dres)
-        else:
-            scalars = (M, N, x_rows.stride(0), dy_rows.stride(0),
-                       dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0), N, float(offset))
-            entry = _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats,
-                                dw_part, db_part, *scalars, **flags, HAS_DRES=dres_rows is not None,
-                                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD_W=rms, num_warps=num_warps)
-            if entry is not None and n_params and views:
-                _bwd_plans.put(plan_key, functools.partial(_replay_bwd_in_registers, parts.shape, entry, scalars))
-    return dx, parts.sum(1) if M > 0 else torch.zeros((n_params, N), dtype=torch.float32, device=x.device)
+    flags = _flags(rms, weight, bias, offset)
+    if looped:
+        # dw and db partial rows in one buffer, zeroed: the looped kernel accumulates into them.
+        parts = torch.zeros((n_params, programs, N), dtype=torch.float32, device=x.device)
+        dw_part = parts[0] if weight is not None else parts
+        db_part = parts[n_params - 1] if bias is not None else parts
+        _launch_bwd_looped((programs,), x_rows, _or(weight, x_rows), dy_rows, dx, stats, dw_part, db_part, M, N,
+                           x_rows.stride(0), dy_rows.stride(0), N, float(offset), **flags, CHUNK=LOOP_CHUNK,
+                           num_warps=LOOPED_BWD_WARPS)
+        if dres is not None:
+            dx.add_(dres)
+        return dx, parts.sum(1).to(sums_dtype)
+    # The partial rows live in the stream's workspace: the sum kernel reads them right after.
+    parts = runtime.workspace(x.device, n_params * programs * N)
+    scalars = (M, N, x_rows.stride(0), dy_rows.stride(0), dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0),
+               N, float(offset))
+    entry = _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats, parts,
+                        *scalars, **flags, HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                        RELOAD_W=rms, num_warps=num_warps)
+    sums = runtime.empty((n_params, N), sums_dtype, x.device)
+    if not n_params:
+        return dx, sums
+    sum_grid = (runtime.cdiv(N, SUM_PARTS_BLOCK_N), n_params)
+    sum_entry = _launch_sum_parts(sum_grid, parts, sums, programs, N, BLOCK_P=SUM_PARTS_BLOCK_P,
+                                  BLOCK_N=SUM_PARTS_BLOCK_N, num_warps=4)
+    if entry is not None and sum_entry is not None and views:
+        _bwd_plans.put(plan_key, functools.partial(_replay_bwd_in_registers, programs, entry, scalars, sum_entry,
+                                                   sum_grid, sums.shape, sums_dtype))
+    return dx, sums
 
 
-def _replay_bwd_in_registers(parts_shape, entry, scalars, dy, x, weight, bias, stats, dres):
+def _replay_bwd_in_registers(programs, entry, scalars, sum_entry, sum_grid, sums_shape, sums_dtype,
+                             dy, x, weight, bias, stats, dres):
     """The in-register backward, planned: (dx, sums) as _norm_bwd returns them."""
+    n_params, N = sums_shape
     dx = runtime.empty(x.shape, x.dtype, x.device)
-    parts = runtime.empty(parts_shape, torch.float32, x.device)
-    _launch_bwd.replay(entry, (parts_shape[1],), x, _or(weight, x), dy, _or(dres, dy), dx, stats, parts[0],
-                       parts[parts_shape[0] - 1], *scalars)
-    return dx, parts.sum(1)
+    parts = runtime.workspace(x.device, n_params * programs * N)
+    _launch_bwd.replay(entry, (programs,), x, _or(weight, x), dy, _or(dres, dy), dx, stats, parts, *scalars)
+    sums = runtime.empty(sums_shape, sums_dtype, x.device)
+    _launch_sum_parts.replay(sum_entry, sum_grid, parts, sums, programs, N)
+    return dx, sums
+
+
+def _replay_cast(replay: Callable, sums_dtype: torch.dtype, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, sums = replay(*args)
+    return dx, sums.to(sums_dtype)
 
 
 def _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset) -> tuple[torch.Tensor, Callable | None]:
@@ -657,10 +695,10 @@ def _fake_add_norm_fwd(x, residual, weight, eps, offset, out_dtype):
             x.new_empty((rows,), dtype=torch.float32))
 
 
-def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None):
+def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
     n_params = (weight is not None) + (bias is not None)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            x.new_empty((n_params, x.shape[-1]), dtype=torch.float32))
+            x.new_empty((n_params, x.shape[-1]), dtype=sums_dtype))
 
 
 norm_fwd = runtime.custom_op("norm_fwd", fake=_fake_norm_fwd)(norm_fwd)
@@ -684,18 +722,26 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, stats = ctx.saved_tensors
+        sums_dtype = _sums_dtype(weight, bias)
         if ctx.fwd_key is None:
-            dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms)
+            dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype)
         else:
-            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, fwd_key=ctx.fwd_key)
+            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, fwd_key=ctx.fwd_key,
+                                 sums_dtype=sums_dtype)
         if weight is None and bias is None:
             return dx, None, None, None, None, None, None
-        if weight is not None and bias is not None and weight.dtype == bias.dtype:
-            dw, db = sums.to(weight.dtype).unbind(0)  # one cast for both: ops cost host time
-        else:
-            dw = sums[0].to(weight.dtype) if weight is not None else None
-            db = sums[-1].to(bias.dtype) if bias is not None else None
+        rows = sums.unbind(0)
+        dw = rows[0].to(weight.dtype) if weight is not None else None
+        db = rows[-1].to(bias.dtype) if bias is not None else None
         return dx, dw, db, None, None, None, None
+
+
+def _sums_dtype(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
+    """The dtype the backward sums dw and db into: the parameters' own when they share one (the
+    sum kernel casts, saving a launch), else float32 (cast after)."""
+    if weight is None:
+        return torch.float32 if bias is None else bias.dtype
+    return weight.dtype if bias is None or bias.dtype == weight.dtype else torch.float32
 
 
 class AddRMSNormFunction(torch.autograd.Function):
@@ -713,8 +759,8 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight, stats = ctx.saved_tensors
-        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, dh)
-        return dx, dx, sums[0].to(weight.dtype) if weight is not None else None, None, None, None
+        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, _sums_dtype(weight, None), dh)
+        return dx, dx, sums[0] if weight is not None else None, None, None, None
 
 
 def _normalize(x, weight, bias, eps, offset, rms, out_dtype):

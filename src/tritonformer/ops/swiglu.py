@@ -87,17 +87,38 @@ def _fake_swiglu_fwd(gate, up):
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
+# Planned launches by call signature (runtime.tensor_key of each input, the device, the options):
+# a later call of the signature replays its launch on the caller's tensors. On the H100 machine's
+# host the row views and launch arithmetic cost more than a small SwiGLU's GPU time.
+_fwd_plans = runtime.PlanTable()
+_bwd_plans = runtime.PlanTable()
+
+
 @runtime.custom_op("swiglu_fwd", fake=_fake_swiglu_fwd)
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     h = runtime.empty(gate.shape, gate.dtype, gate.device)
+    plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), gate.device)
+    plan = _fwd_plans.get(plan_key)
+    if plan is not None and not runtime.compiling_ahead():
+        entry, grid, scalars = plan
+        _launch_fwd.replay(entry, grid, gate, up, h, *scalars)
+        return h
     if gate.numel() == 0:
         return h
     N = gate.shape[-1]
     g, u = runtime.rows_view(gate, N), runtime.rows_view(up, N)
     M, n, col_blocks, block = _launch_shape([g, u])
-    _launch_fwd((M * col_blocks,), g, u, h, n, col_blocks, g.stride(0), u.stride(0), N, BLOCK=block,
-                num_warps=_num_warps(block, FWD_VALUES_PER_THREAD))
+    grid, scalars = (M * col_blocks,), (n, col_blocks, g.stride(0), u.stride(0), N)
+    entry = _launch_fwd(grid, g, u, h, *scalars, BLOCK=block, num_warps=_num_warps(block, FWD_VALUES_PER_THREAD))
+    if entry is not None and _views(g, gate, u, up):
+        _fwd_plans.put(plan_key, (entry, grid, scalars))
     return h
+
+
+def _views(*pairs: torch.Tensor) -> bool:
+    """Whether each row view (first of a pair) starts where its tensor does: a replay passes the
+    caller's tensors, so only calls whose views did not copy can plan."""
+    return all(pairs[i].data_ptr() == pairs[i + 1].data_ptr() for i in range(0, len(pairs), 2))
 
 
 def _fake_swiglu_bwd(gate, up, dh, store_h, dg_into_dh):
@@ -107,26 +128,45 @@ def _fake_swiglu_bwd(gate, up, dh, store_h, dg_into_dh):
 
 
 def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: bool,
-               dg_into_dh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dg, du, h); h is empty unless `store_h`. With `dg_into_dh` (the caller owns dh and has no
+               dg_into_dh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dg, du, h); h is None unless `store_h`. With `dg_into_dh` (the caller owns dh and has no
     other use for it) dg is written over dh, saving one buffer; a custom op's output may not
     alias its input, so callers ask for that only in eager mode."""
+    plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), runtime.tensor_key(dh), gate.device, store_h,
+                dg_into_dh)
+    plan = _bwd_plans.get(plan_key)
+    if plan is not None and not runtime.compiling_ahead():
+        entry, grid, scalars, in_place = plan
+        dg, du, h = _bwd_buffers(gate, dh, store_h, in_place)
+        _launch_bwd.replay(entry, grid, gate, up, dh, dg, du, h if store_h else du, *scalars)
+        return dg, du, h
     N = gate.shape[-1]
     g, u, d = runtime.rows_view(gate, N), runtime.rows_view(up, N), runtime.rows_view(dh, N)
     in_place = dg_into_dh and d.is_contiguous() and d.data_ptr() == dh.data_ptr() and dh.dtype == gate.dtype
-    dg = dh if in_place else runtime.empty(gate.shape, gate.dtype, gate.device)
-    du = runtime.empty(gate.shape, gate.dtype, gate.device)
-    h = runtime.empty(gate.shape if store_h else (0,), gate.dtype, gate.device)
+    dg, du, h = _bwd_buffers(gate, dh, store_h, in_place)
     if gate.numel() == 0:
         return dg, du, h
     M, n, col_blocks, block = _launch_shape([g, u, d])
-    _launch_bwd((M * col_blocks,), g, u, d, dg, du, h if store_h else du, n, col_blocks, g.stride(0), u.stride(0),
-                d.stride(0), N, N, N, STORE_H=store_h, BLOCK=block,
-                num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
+    grid, scalars = (M * col_blocks,), (n, col_blocks, g.stride(0), u.stride(0), d.stride(0), N, N, N)
+    entry = _launch_bwd(grid, g, u, d, dg, du, h if store_h else du, *scalars, STORE_H=store_h, BLOCK=block,
+                        num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
+    if entry is not None and _views(g, gate, u, up, d, dh):
+        _bwd_plans.put(plan_key, (entry, grid, scalars, in_place))
     return dg, du, h
 
 
-swiglu_bwd_op = runtime.custom_op("swiglu_bwd", fake=_fake_swiglu_bwd)(swiglu_bwd)
+def _bwd_buffers(gate, dh, store_h: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    dg = dh if in_place else runtime.empty(gate.shape, gate.dtype, gate.device)
+    du = runtime.empty(gate.shape, gate.dtype, gate.device)
+    return dg, du, runtime.empty(gate.shape, gate.dtype, gate.device) if store_h else None
+
+
+@runtime.custom_op("swiglu_bwd", fake=_fake_swiglu_bwd)
+def swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: bool,
+                  dg_into_dh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_bwd as an op for torch.compile, whose outputs are tensors: h is empty unless `store_h`."""
+    dg, du, h = swiglu_bwd(gate, up, dh, store_h, dg_into_dh)
+    return dg, du, h if h is not None else runtime.empty((0,), gate.dtype, gate.device)
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -138,7 +178,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dg, du, _ = swiglu_bwd_op(gate, up, dh, False, False)
+        dg, du, _ = (swiglu_bwd_op if torch.compiler.is_compiling() else swiglu_bwd)(gate, up, dh, False, False)
         return dg, du
 
 
@@ -149,7 +189,8 @@ def _check(gate, up):
         raise ValueError(f"up has shape {tuple(up.shape)}, gate {tuple(gate.shape)}: they must match")
     if up.dtype != gate.dtype:
         raise TypeError(f"up has dtype {up.dtype}, gate {gate.dtype}: they must match")
-    runtime.check_same_device(gate=gate, up=up)
+    if up.device != gate.device:
+        runtime.check_same_device(gate=gate, up=up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
