@@ -240,6 +240,11 @@ class PlanTable(dict):
             self.clear()
         self[key] = plan
 
+    def replayable(self, key):
+        """The plan for `key`, or None where it is not to be replayed: none yet, or compile_ahead's
+        thread, whose launches only compile."""
+        return None if _COMPILE_ONLY.get() else self.get(key)
+
 
 _thread_state = threading.local()
 
@@ -664,6 +669,13 @@ def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     `t`'s last dimension is n (reshape cannot infer the rows when n is 0)."""
     rows = t.reshape(math.prod(t.shape[:-1]), n)
     return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
+
+
+def starts_as(*pairs: torch.Tensor | None) -> bool:
+    """Whether each rows_view (first of a pair, None skipped) starts where its tensor (second)
+    does, i.e. is a view and not a copy: a planned launch replays on the caller's tensors, so
+    only calls whose views did not copy can plan."""
+    return all(pairs[i] is None or pairs[i].data_ptr() == pairs[i + 1].data_ptr() for i in range(0, len(pairs), 2))
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:

@@ -809,8 +809,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     on the H100 machine's host, whose Python runs a forward+backward's wrappers in about as long
     as the GPU runs B8 H16 S2048 D64 causal, that is what keeps such a call bound by the GPU."""
     plan_key = _plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    plan = _fwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan = _fwd_plans.replayable(plan_key)
+    if plan is not None:
         lse_shape, scalars, replay = plan
         o, lse = _empty_as(q), runtime.empty(lse_shape, torch.float32, q.device)
         replay((q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars))
@@ -852,8 +852,8 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     plan_key = (_plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                 do.stride(), do.data_ptr() % 16, o.stride(), o.data_ptr() % 16, lse.stride(),
                 None if dlse is None else dlse.data_ptr() % 16)
-    plan = _bwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan = _bwd_plans.replayable(plan_key)
+    if plan is not None:
         dq_scalars, dq_replay, dkdv_scalars, dkdv_replay = plan
         dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
         delta = runtime.empty(lse.shape, torch.float32, q.device)

@@ -317,24 +317,22 @@ def cross_entropy_fwd(
     loss = runtime.empty((() if reduced else (N,)), logits.dtype, device)
     plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), device, ignore_index, label_smoothing,
                 z_loss, reduction)
-    plan = _fwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan = _fwd_plans.replayable(plan_key)
+    # The row losses of a reduction live in the stream's workspace: the same launch reads them.
+    row_loss = runtime.workspace(device, N) if reduced else loss
+    tensors = (logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1))
+    if plan is not None:
         entry, scalars = plan
-        # The row losses of a reduction live in the stream's workspace: the same launch reads them.
-        row_loss = runtime.workspace(device, N) if reduced else loss
-        _launch_fwd.replay(entry, (N,), logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1),
-                           *scalars)
+        _launch_fwd.replay(entry, (N,), *tensors, *scalars)
         return loss, stats
     if N == 0:
         if reduced:  # 0 / 0 for the mean, 0 for the sum, as torch; the count 0 at stats[0]
             _reduce(stats[:0], target, loss, stats, None, ignore_index, mean=reduction == "mean")
         return loss, stats
     V = logits.shape[1]
-    row_loss = runtime.workspace(device, N) if reduced else loss
     scalars = (V, logits.stride(0), target.stride(0), ignore_index, label_smoothing, z_loss)
-    entry = _launch_fwd((N,), logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1), *scalars,
-                        **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=reduced, MEAN=reduction == "mean",
-                        REDUCE_BLOCK=REDUCE_BLOCK)
+    entry = _launch_fwd((N,), *tensors, *scalars, **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=reduced,
+                        MEAN=reduction == "mean", REDUCE_BLOCK=REDUCE_BLOCK)
     if entry is not None:
         _fwd_plans.put(plan_key, (entry, scalars))
     return loss, stats
@@ -346,9 +344,9 @@ def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothi
         return
     plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), runtime.tensor_key(grad_loss),
                 dx is logits, logits.device, ignore_index, label_smoothing, z_loss, reduction)
-    plan = _bwd_plans.get(plan_key)
+    plan = _bwd_plans.replayable(plan_key)
     grid = (N, runtime.cdiv(V, BWD_BLOCK))
-    if plan is not None and not runtime.compiling_ahead():
+    if plan is not None:
         entry, scalars = plan
         _launch_bwd.replay(entry, grid, logits, target, stats, grad_loss, dx, *scalars)
         return

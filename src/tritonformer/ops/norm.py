@@ -478,9 +478,10 @@ def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tenso
     """norm_fwd, plus the call's plan key, which also keys the backward of this forward (see
     _norm_bwd: x, weight, bias and stats come back to it unchanged)."""
     # The device too: a plan's compiled kernel is loaded on one GPU.
-    plan_key = (runtime.tensor_key(x), x.device, runtime.tensor_key(weight), runtime.tensor_key(bias), eps, offset, rms, out_dtype)
-    plan = _fwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan_key = (runtime.tensor_key(x), x.device, runtime.tensor_key(weight), runtime.tensor_key(bias), eps, offset,
+                rms, out_dtype)
+    plan = _fwd_plans.replayable(plan_key)
+    if plan is not None:
         stats_len, entry, grid, scalars = plan
         y = runtime.empty(x.shape, out_dtype, x.device)
         stats = runtime.empty((stats_len,), torch.float32, x.device)
@@ -497,7 +498,7 @@ def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tenso
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
         entry, grid, scalars = _fwd_in_registers(x_rows, None, None, w, b, y, stats, eps, offset, flags)
-        if entry is not None and x_rows.data_ptr() == x.data_ptr():  # a view: a replay may pass x itself
+        if entry is not None and runtime.starts_as(x_rows, x):
             _fwd_plans.put(plan_key, (stats.shape[0], entry, grid, scalars))
     else:
         _launch_fwd_looped((M,), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N, float(eps), float(offset),
@@ -538,11 +539,11 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
              dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, sums): sums holds dw then db (those that exist) as rows of `sums_dtype` (summed in
     float32). dres, when given, is added into dx (rows up to FUSED_MAX_N)."""
-    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres, sums_dtype=sums_dtype)
+    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres)
 
 
-def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None,
-              sums_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None,
+              fwd_key=None) -> tuple[torch.Tensor, torch.Tensor]:
     """norm_bwd, with the sums in `sums_dtype`; fwd_key, the plan key _norm_fwd gave the forward
     that made x, weight, bias and stats, stands for their part of this call's key (five tensor
     keys less on the host path)."""
@@ -552,14 +553,13 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None,
                     sums_dtype)
     else:
         plan_key = (fwd_key, runtime.tensor_key(dy), runtime.tensor_key(dres), sums_dtype)
-    replay = _bwd_plans.get(plan_key)
-    if replay is not None and not runtime.compiling_ahead():
+    replay = _bwd_plans.replayable(plan_key)
+    if replay is not None:
         return replay(dy, x, weight, bias, stats, dres)
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
     dres_rows = None if dres is None else runtime.rows_view(dres, N)
-    # A replay passes the caller's tensors: only calls whose row views are views plan.
-    views = all(r is None or r.data_ptr() == t.data_ptr() for r, t in ((x_rows, x), (dy_rows, dy), (dres_rows, dres)))
+    views = runtime.starts_as(x_rows, x, dy_rows, dy, dres_rows, dres)
     M = x_rows.shape[0]
     n_params = (weight is not None) + (bias is not None)
     dx = runtime.empty(x.shape, x.dtype, x.device)
@@ -588,8 +588,8 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, dres=None, fwd_key=None,
         return dx, parts.sum(1).to(sums_dtype)
     # The partial rows live in the stream's workspace: the sum kernel reads them right after.
     parts = runtime.workspace(x.device, n_params * programs * N)
-    scalars = (M, N, x_rows.stride(0), dy_rows.stride(0), dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0),
-               N, float(offset))
+    scalars = (M, N, x_rows.stride(0), dy_rows.stride(0),
+               dy_rows.stride(0) if dres_rows is None else dres_rows.stride(0), N, float(offset))
     entry = _launch_bwd((programs,), x_rows, _or(weight, x_rows), dy_rows, _or(dres_rows, dy_rows), dx, stats, parts,
                         *scalars, **flags, HAS_DRES=dres_rows is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                         RELOAD_W=rms, num_warps=num_warps)
@@ -726,8 +726,7 @@ class NormFunction(torch.autograd.Function):
         if ctx.fwd_key is None:
             dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype)
         else:
-            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, fwd_key=ctx.fwd_key,
-                                 sums_dtype=sums_dtype)
+            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype, fwd_key=ctx.fwd_key)
         if weight is None and bias is None:
             return dx, None, None, None, None, None, None
         rows = sums.unbind(0)

@@ -98,8 +98,8 @@ _bwd_plans = runtime.PlanTable()
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     h = runtime.empty(gate.shape, gate.dtype, gate.device)
     plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), gate.device)
-    plan = _fwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan = _fwd_plans.replayable(plan_key)
+    if plan is not None:
         entry, grid, scalars = plan
         _launch_fwd.replay(entry, grid, gate, up, h, *scalars)
         return h
@@ -110,15 +110,9 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     M, n, col_blocks, block = _launch_shape([g, u])
     grid, scalars = (M * col_blocks,), (n, col_blocks, g.stride(0), u.stride(0), N)
     entry = _launch_fwd(grid, g, u, h, *scalars, BLOCK=block, num_warps=_num_warps(block, FWD_VALUES_PER_THREAD))
-    if entry is not None and _views(g, gate, u, up):
+    if entry is not None and runtime.starts_as(g, gate, u, up):
         _fwd_plans.put(plan_key, (entry, grid, scalars))
     return h
-
-
-def _views(*pairs: torch.Tensor) -> bool:
-    """Whether each row view (first of a pair) starts where its tensor does: a replay passes the
-    caller's tensors, so only calls whose views did not copy can plan."""
-    return all(pairs[i].data_ptr() == pairs[i + 1].data_ptr() for i in range(0, len(pairs), 2))
 
 
 def _fake_swiglu_bwd(gate, up, dh, store_h, dg_into_dh):
@@ -134,8 +128,8 @@ def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: 
     alias its input, so callers ask for that only in eager mode."""
     plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), runtime.tensor_key(dh), gate.device, store_h,
                 dg_into_dh)
-    plan = _bwd_plans.get(plan_key)
-    if plan is not None and not runtime.compiling_ahead():
+    plan = _bwd_plans.replayable(plan_key)
+    if plan is not None:
         entry, grid, scalars, in_place = plan
         dg, du, h = _bwd_buffers(gate, dh, store_h, in_place)
         _launch_bwd.replay(entry, grid, gate, up, dh, dg, du, h if store_h else du, *scalars)
@@ -150,7 +144,7 @@ def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: 
     grid, scalars = (M * col_blocks,), (n, col_blocks, g.stride(0), u.stride(0), d.stride(0), N, N, N)
     entry = _launch_bwd(grid, g, u, d, dg, du, h if store_h else du, *scalars, STORE_H=store_h, BLOCK=block,
                         num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
-    if entry is not None and _views(g, gate, u, up, d, dh):
+    if entry is not None and runtime.starts_as(g, gate, u, up, d, dh):
         _bwd_plans.put(plan_key, (entry, grid, scalars, in_place))
     return dg, du, h
 
@@ -189,8 +183,7 @@ def _check(gate, up):
         raise ValueError(f"up has shape {tuple(up.shape)}, gate {tuple(gate.shape)}: they must match")
     if up.dtype != gate.dtype:
         raise TypeError(f"up has dtype {up.dtype}, gate {gate.dtype}: they must match")
-    if up.device != gate.device:
-        runtime.check_same_device(gate=gate, up=up)
+    runtime.check_same_device(gate=gate, up=up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
