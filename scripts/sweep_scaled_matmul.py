@@ -124,7 +124,9 @@ def sweep_mma(only):
                                      lambda shape: dict.fromkeys(sm.MMA_SHAPES, shape))
 
 
-WGMMA_CANDIDATES = [(64, 4, 4), (64, 4, 8), (128, 4, 4), (64, 6, 4), (64, 3, 8), (128, 4, 2)]
+# (BLOCK_N, STAGES, programs an SM for split-K); a warpgroup per 64 rows of BLOCK_N.
+WGMMA_CANDIDATES = [(64, 2, 8), (64, 3, 8), (64, 4, 8), (64, 6, 8), (64, 3, 1), (64, 4, 1), (128, 3, 1), (128, 4, 1),
+                    (128, 3, 2), (128, 4, 2), (128, 4, 4), (256, 4, 1)]
 
 
 def sweep_wgmma(only):

@@ -53,6 +53,21 @@ def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
     _check_every_code_byte(fmt, M, N, K, device)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("M,N,K", [(12, 130, 2048), (17, 200, 2048), (64, 256, 1024), (40, 70, 1152)])
+def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
+    # 128 rows of B a program on two warpgroups sharing x's tile: the library takes it from 64
+    # tokens when the tiles fill the SMs (N past 16384 on an H100); here every token count and
+    # small N are sent there, with K split at 2048.
+    monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
+    monkeypatch.setattr(sm, "WGMMA_SHAPES", dict.fromkeys(sm.WGMMA_SHAPES, (128, 3, 8)))
+    monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
+    sm._wgmma_plans.clear()
+    _check_every_code_byte(fmt, M, N, K, device)
+    sm._wgmma_plans.clear()
+
+
 @pytest.mark.parametrize("M", [1, 17, 64, 100, 520])
 def test_activations_that_require_grad(M, device):
     # A QLoRA-style caller's activations carry autograd history; scaled_matmul has no backward

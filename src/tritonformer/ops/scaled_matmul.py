@@ -426,13 +426,12 @@ _E2M1_HALVES_TIMES_2_126_PTX = gl.constexpr(quant._e2m1_word_times_ptx(True, hal
 def _wgmma_words_layout(BLOCK_N, WPT):
     """Where B's (BLOCK_N, 16) words of a step live: the wgmma A operand's layout (register A,
     bf16: lanes hold k 2t, 2t + 1 (t = lane % 4) and + 8 of each k16 of rows lane // 4 and + 8,
-    warps 16 rows each, then 64-row repetitions) read as words. A thread takes WPT consecutive
+    warps 16 rows each, a warpgroup per 64 rows) read as words. A thread takes WPT consecutive
     words (one scale block: WPT = block / 8) at word WPT t of each 32 WPT of K, so that its eight
     codes a word fill its four bf16 pairs of two k16 chunks, K permuted (x is permuted to match,
     _wgmma_kernel)."""
-    regs = [[0, 1 << i] for i in range(WPT.bit_length() - 1)] + [[8, 0]]
-    regs += [[0, 4 * WPT]] * (4 * WPT < 16) + [[r, 0] for r in (64, 128) if r < BLOCK_N]
-    return gl.DistributedLinearLayout(regs, [[0, WPT], [0, 2 * WPT], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+    regs = [[0, 1 << i] for i in range(WPT.bit_length() - 1)] + [[8, 0]] + [[0, 4 * WPT]] * (4 * WPT < 16)
+    return gl.DistributedLinearLayout(regs, [[0, WPT], [0, 2 * WPT], [1, 0], [2, 0], [4, 0]], _row_warps(BLOCK_N), [],
                                       [BLOCK_N, 16])
 
 
@@ -440,9 +439,15 @@ def _wgmma_words_layout(BLOCK_N, WPT):
 def _wgmma_scales_layout(BLOCK_N, WPT):
     """The step's (BLOCK_N, 16 / WPT) block scales where _wgmma_words_layout has their words (one
     register a block: joined WPT times, they are the words' multipliers)."""
-    regs = [[8, 0]] + [[0, b] for b in (4, 8) if b < 16 // WPT] + [[r, 0] for r in (64, 128) if r < BLOCK_N]
-    return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [],
+    regs = [[8, 0]] + [[0, b] for b in (4, 8) if b < 16 // WPT]
+    return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], _row_warps(BLOCK_N), [],
                                       [BLOCK_N, 16 // WPT])
+
+
+@gluon.constexpr_function
+def _row_warps(BLOCK_N):
+    """Warp bases of BLOCK_N rows: a warp 16 rows, a warpgroup 64, one warpgroup per 64 rows."""
+    return [[16 << i, 0] for i in range(BLOCK_N.bit_length() - 5)]
 
 
 @gluon.jit
@@ -453,7 +458,7 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of fp4 B over one K split, Hopper only
     (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
     C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
-    memory. B's words come by TMA, STAGES steps ahead; a thread reads its words
+    memory, a warpgroup per 64 rows of B (they share x's tile). B's words come by TMA, STAGES steps ahead; a thread reads its words
     (_wgmma_words_layout), decodes them with the block scale's multiply (the PTX of
     _mma_kernel's decode, element by element) and joins the elements into the operand's layout
     without moving data between threads. x's K must be permuted as the decode leaves B's
@@ -470,7 +475,8 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     step_lo = pid_k * steps_per_split
     steps = gl.minimum(steps_per_split, K // 128 - step_lo)
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TOKENS, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BLOCK_N // 16, 1],
+                                                  instr_shape=[16, TOKENS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT)
     scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, WPT)
@@ -489,7 +495,7 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
             _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, s, step_lo + s, n0, X_BY_TMA)
 
     if not X_BY_TMA:
-        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [BLOCK_N // 16, 1], [1, 0])
         tokens_x = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
         x_ptrs = (x + tokens_x.to(gl.int64)[:, None] * stride_xm
                   + (step_lo * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x_layout)))[None, :])
@@ -880,15 +886,18 @@ _mma_plans = runtime.PlanTable()
 
 # Rows of a bf16 A from which fp4 weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
 # and its launch shapes by the tokens of x a program takes: (BLOCK_N, STAGES, programs an SM
-# that split-K aims at). scripts/sweep_scaled_matmul.py --wgmma, H100, K 8192, GPU time alone:
-# (64, 3, 8) is best or within 5 us of it at M 16, 32 and 64 (nvfp4 M 64 N 28672 143 us against
-# _mma_kernel's 171, M 16 N 28672 70 against 85).
+# that split-K aims at; a warpgroup per 64 rows of BLOCK_N). scripts/sweep_scaled_matmul.py
+# --wgmma, H100, K 8192, GPU time alone: (64, 3, 8) is best or within 5 us of it at M 16 and 32
+# (M 16 N 28672 70 us against _mma_kernel's 85). At 64 tokens x's tile a step is 16 KiB against
+# B's 4: two warpgroups sharing it halve x's L2 traffic, and K is not split past one program an
+# SM (a split writes and reads back 64 N floats): nvfp4 M 64 N 28672 111 -> 93 us on (128, 4, 1),
+# mxfp4 110 -> 90; N 8192 50 -> 36 on (64, 4, 1), where 128-row tiles would not fill the SMs.
 # Up to 16 rows a weight under WGMMA_MIN_WEIGHT elements stays on _mma_kernel: at N = K = 8192 its
 # bench time was 34 us against 36-46 (the wgmma grid is 128 tiles of B, the kernel's prologue and
 # split-K epilogue weigh more there), at N = 28672 95 against 79.
 WGMMA_MIN_M = 9
 WGMMA_MIN_WEIGHT = 2**27
-WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (64, 2, 8)}
+WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1)}
 # From this many tokens a program on, x reaches _wgmma_kernel by TMA from a permuted copy (its
 # tile a step is 2-4 times B's there; GPU time at N 28672, nvfp4 / mxfp4: M 64 144 -> 111 and
 # 137 -> 107 us, M 32 93 -> 79 and 89 -> 78, on (64, 2, 8)). At 16 tokens the copy's launch costs
@@ -927,6 +936,8 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     plan = _wgmma_plans.get(key)
     if plan is None:
         block_n, stages, per_sm = WGMMA_SHAPES[tokens]
+        if block_n > 64 and runtime.cdiv(N, block_n) < runtime.num_sms(c.device.index or 0):
+            block_n = 64
         tiles = runtime.cdiv(N, block_n)
         split, k_per_split = _split_k(tiles, K, WGMMA_STEP_K, c.device, per_sm)
         words = b.data.view(torch.int32)
@@ -940,7 +951,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
             x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
                                       gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
         constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
-                          X_BY_TMA=x_by_tma, num_warps=4)
+                          X_BY_TMA=x_by_tma, num_warps=block_n // 16)
         plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns, x_desc]
         _wgmma_plans.put(key, plan)
     grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_desc = plan
