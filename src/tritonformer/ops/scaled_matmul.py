@@ -458,15 +458,15 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of fp4 B over one K split, Hopper only
     (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
     C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
-    memory, a warpgroup per 64 rows of B (they share x's tile). B's words come by TMA, STAGES steps ahead; a thread reads its words
-    (_wgmma_words_layout), decodes them with the block scale's multiply (the PTX of
-    _mma_kernel's decode, element by element) and joins the elements into the operand's layout
-    without moving data between threads. x's K must be permuted as the decode leaves B's
-    (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its
-    tiles come with B's words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded
-    a step ahead into registers and permuted on their way into shared memory (a relabelling of
-    the registers: the stores put each element in place). The scales are loaded a step ahead
-    into registers."""
+    memory, a warpgroup per 64 rows of B (they share x's tile). B's words come by TMA, STAGES
+    steps ahead; a thread reads its words (_wgmma_words_layout), decodes them with the block
+    scale's multiply (the PTX of _mma_kernel's decode, element by element) and joins the
+    elements into the operand's layout without moving data between threads. x's K must be
+    permuted as the decode leaves B's (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a
+    copy of x so permuted, and its tiles come with B's words. Otherwise x is a pointer to x (K
+    contiguous): its tiles are loaded a step ahead into registers and permuted on their way into
+    shared memory (a relabelling of the registers: the stores put each element in place). The
+    scales are loaded a step ahead into registers."""
     WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else 4
     BLOCKS: gl.constexpr = 16 // WPT
     pid_n = gl.program_id(0)
