@@ -575,6 +575,15 @@ def workspace(device: torch.device, count: int) -> torch.Tensor:
     return _stream_buffer("workspace", device, count, lambda n: torch.empty(n, dtype=torch.float32, device=device))
 
 
+def split_k_scratch(c: torch.Tensor, split: int, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 workspace of `partials` elements, `counters` arrival counters) for a split-K
+    kernel that adds its partial sums in the last split to arrive; c stands in for both when K is
+    not split (the kernel then touches neither)."""
+    if split == 1:
+        return c, c
+    return workspace(c.device, partials), arrival_counters(c.device, counters)
+
+
 def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
     """Register a launcher as `torch.ops.tritonformer.<name>` so that torch.compile traces it as
     one opaque node. Eager calls skip the dispatcher (about 10 us a call) and run the launcher;

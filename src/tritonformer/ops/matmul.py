@@ -438,12 +438,6 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
     # Split-K's arrival counters, one a tile: 16 x 16 tiles bound every config's tile count.
     counters_needed = runtime.cdiv(M, 16) * runtime.cdiv(N, 16) if split_k > 1 else 0
 
-    def scratch(c):
-        """The split-K workspace and counters (c stands in for both without a split)."""
-        if split_k == 1:
-            return c, c
-        return runtime.workspace(c.device, split_k * M * N), runtime.arrival_counters(c.device, counters_needed)
-
     scale_a_mode, scale_b_mode = _scale_mode(scale_a), _scale_mode(scale_b)
     element_size = a.element_size()
 
@@ -455,7 +449,8 @@ def _launch(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M: int, N
 
     def main_args(a, b, c, pre, bias, scale_a, scale_b):
         # Absent tensors are passed as c: the kernel never reads them (their flags are off).
-        return (a, b, c, c if pre is None else pre, *scratch(c), c if bias is None else bias,
+        scratch = runtime.split_k_scratch(c, split_k, split_k * M * N, counters_needed)
+        return (a, b, c, c if pre is None else pre, *scratch, c if bias is None else bias,
                 c if scale_a is None else scale_a, c if scale_b is None else scale_b, *scalars)
 
     def descriptors(a, b, config):

@@ -682,14 +682,6 @@ def _split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4)
     return runtime.cdiv(K, k_per_split), k_per_split
 
 
-def _split_buffers(split: int, N: int, c: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 partials, arrival counters) for split_k_total; c stands in for both when K is
-    not split."""
-    if split == 1:
-        return c, c
-    return runtime.workspace(c.device, split * c.shape[0] * N), runtime.arrival_counters(c.device, tiles)
-
-
 def _operand(name: str, t) -> None:
     if not isinstance(t, QuantizedTensor):
         raise TypeError(f"{name} must be a tritonformer.quant.QuantizedTensor, got {type(t).__name__}")
@@ -769,7 +761,7 @@ def _in_registers(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias,
         plan = _plan_in_registers(a_fmt, b, M, N, K, c.device)
         _register_plans.put(key, plan)
     grid, split, k_per_split, constexprs, entries = plan
-    ws, counters = _split_buffers(split, N, c, grid[0] * grid[1])
+    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
     args = (a_data, a_scales, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, k_per_split,
             a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
             c.stride(0), c.stride(1))
@@ -837,7 +829,7 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
         plan = [(tiles, split), split, k_per_split, constexprs, []]
         _gemv_plans.put(key, plan)
     grid, split, k_per_split, constexprs, entries = plan
-    ws, counters = _split_buffers(split, N, c, grid[0])
+    ws, counters = runtime.split_k_scratch(c, split, split * N, grid[0])  # one row
     args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, N, K, k_per_split,
             b_data.stride(0), b_scales.stride(0))
     _launch_planned(_launch_gemv, grid, args, constexprs, entries, bias, tensor_scale)
@@ -876,7 +868,7 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         plan = [(tiles, split), split, k_per_split // 128, constexprs, []]
         _mma_plans.put(key, plan)
     grid, split, steps_per_split, constexprs, entries = plan
-    ws, counters = _split_buffers(split, N, c, grid[0])
+    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0])
     args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, steps_per_split,
             x_words.stride(0), b_data.stride(0), b_scales.stride(0), c.stride(0))
     _launch_planned(_launch_mma, grid, args, constexprs, entries, bias, tensor_scale)
@@ -958,7 +950,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     if x_desc is not None:
         # detach: torch refuses out= for an input that requires grad (scaled_matmul has no backward).
         torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
-    ws, counters = _split_buffers(split, N, c, grid[0])
+    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
             steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
     _launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
