@@ -4,7 +4,8 @@ the same shape; with --paths instead, both ways of the op (in registers, dequant
 M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
 time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise;
-with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync kernel.
+with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync kernel (the
+in-register kernel for mxfp8).
 
     PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma] [substring of the case labels]
 """
@@ -136,6 +137,11 @@ def sweep_wgmma(only):
                 # Every token count takes the candidate; the baseline (WGMMA_MIN_M past MMA_MAX_M) is the mma kernel.
                 _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "wgmma", "WGMMA_MIN_M", "WGMMA_SHAPES",
                                      WGMMA_CANDIDATES, lambda shape: dict.fromkeys(sm.WGMMA_SHAPES, shape), off=1 << 30)
+    # mxfp8 has one shape for every token count; its baseline is the in-register kernel.
+    for M in (64, 32, 16, 8, 4, 2):
+        for N in (8192, 28672):
+            _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_E4M3_MIN_M",
+                                 "WGMMA_E4M3_SHAPE", WGMMA_CANDIDATES, lambda shape: shape, off=1 << 30)
 
 
 original = sm._launch_shape

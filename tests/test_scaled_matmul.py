@@ -37,7 +37,7 @@ def test_bf16_activations_times_quantized_weight(fmt, M, device):
                                    (40, 70, 1056), (64, 128, 1024)])
 def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
     # M = 1 takes the CUDA-core kernel, up to 64 rows of fp4 weights the mma.sync kernel, on
-    # Hopper the wgmma kernel from 17 rows when K is a multiple of 128 (on the GPU their codes
+    # Hopper the wgmma kernel (any format) from 17 rows when K is a multiple of 128 (on the GPU their codes
     # decode in PTX, with K permuted within the tensor cores' operands): every code byte in every
     # row, scales over the formats' range, x a strided view, K split, bias; M, N and K below and
     # at multiples of the kernels' tiles (their masked and unmasked loads).
@@ -45,23 +45,25 @@ def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("M,N,K", [(9, 130, 1024), (16, 256, 1024), (12, 70, 2048)])
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M,N,K", [(3, 130, 1024), (9, 130, 1024), (16, 256, 1024), (12, 70, 2048)])
 def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
-    # Up to 16 rows only large weights take the wgmma kernel: these small ones are sent there.
+    # Up to 16 rows only large fp4 weights from 9 rows take the wgmma kernel: these are sent there.
     monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
+    monkeypatch.setattr(sm, "WGMMA_MIN_M", 2)
     _check_every_code_byte(fmt, M, N, K, device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("M,N,K", [(12, 130, 2048), (17, 200, 2048), (64, 256, 1024), (40, 70, 1152)])
 def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
-    # 128 rows of B a program on two warpgroups sharing x's tile: the library takes it from 64
-    # tokens when the tiles fill the SMs (N past 16384 on an H100); here every token count and
-    # small N are sent there, with K split at 2048.
+    # 128 rows of B a program on two warpgroups sharing x's tile: the library takes it when the
+    # tiles fill the SMs (N past 16384 on an H100), from 64 tokens for fp4 weights; here every
+    # token count and small N are sent there, with K split at 2048.
     monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
     monkeypatch.setattr(sm, "WGMMA_SHAPES", dict.fromkeys(sm.WGMMA_SHAPES, (128, 3, 8)))
+    monkeypatch.setattr(sm, "WGMMA_E4M3_SHAPE", (128, 3, 8))
     monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
     sm._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
@@ -80,14 +82,20 @@ def test_activations_that_require_grad(M, device):
     torch.testing.assert_close(out, scaled_matmul(x.detach(), w), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("wpt", [2, 4])
-def test_wgmma_x_columns_follow_the_decoded_order_of_b(wpt):
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_wgmma_x_columns_follow_the_decoded_order_of_b(fmt):
     # The wgmma kernel's copy of x: each step of 128 columns in the order in which a thread's
-    # decoded words of B meet the tensor cores (words of WPT per thread, eight codes a word).
-    columns = sm._wgmma_x_columns(256, wpt, "cpu").tolist()
-    expected = [128 * step + 32 * wpt * j + 8 * wpt * t + 8 * u + 4 * h + 2 * p1 + p0
-                for step in range(2) for j in range(128 // (32 * wpt)) for u in range(wpt) for p1 in range(2)
-                for p0 in range(2) for t in range(4) for h in range(2)]
+    # decoded words of B meet the tensor cores. fp4: words of a scale block (WPT) a thread, eight
+    # codes a word; e4m3: eight words a thread, four codes a word, a word's codes in one k16 chunk.
+    columns = sm._wgmma_x_columns(256, fmt, "cpu").tolist()
+    if fmt == "mxfp8":
+        expected = [128 * step + 32 * t + 4 * c + 2 * p + h
+                    for step in range(2) for c in range(8) for p in range(2) for t in range(4) for h in range(2)]
+    else:
+        wpt = quant.FORMATS[fmt][0] // 8
+        expected = [128 * step + 32 * wpt * j + 8 * wpt * t + 8 * u + 4 * h + 2 * p1 + p0
+                    for step in range(2) for j in range(128 // (32 * wpt)) for u in range(wpt) for p1 in range(2)
+                    for p0 in range(2) for t in range(4) for h in range(2)]
     assert columns == expected
 
 

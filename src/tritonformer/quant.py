@@ -535,6 +535,25 @@ def _e2m1_word_times_ptx(times_2_126: bool, halves: bool = False) -> str:
     return "\n".join(lines + ["}"])
 
 
+# The four e4m3 elements of an int32 word as bf16 times a multiplier, element i in the b16
+# register $i (inputs $4, the word, and $5, the multiplier m in both halves), for the wgmma
+# operand: a pair to float16 (exact, NaN kept), each half to float32, the two to bf16 (exact:
+# e4m3's values are bf16's), then one bf16x2 multiply: value * m, exact inside bf16's range.
+E4M3_WORD_TIMES_HALVES_PTX = """
+{
+.reg .b16 p0, p1, l0, l1;
+.reg .b32 h, b;
+.reg .f32 f0, f1;
+mov.b32 {p0, p1}, $4;
+""" + "".join(f"""cvt.rn.f16x2.e4m3x2 h, p{i};
+mov.b32 {{l0, l1}}, h;
+cvt.f32.f16 f0, l0;
+cvt.f32.f16 f1, l1;
+cvt.rn.bf16x2.f32 b, f1, f0;
+mul.rn.bf16x2 b, b, $5;
+mov.b32 {{${2 * i}, ${2 * i + 1}}}, b;
+""" for i in range(2)) + "}"
+
 _E2M1_WORD_TIMES_BF16X2_PTX = tl.constexpr(_e2m1_word_times_ptx(False))
 # With a first multiply by 2^126 the registers hold value * m, for multipliers m that 2^126 m
 # would overflow (e8m0 scales over 2^1).

@@ -22,7 +22,9 @@ ways, by M:
   of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
   a pair for the block scale. On Hopper, from 17 rows (9 for large weights), the same decode
   feeds wgmma's register operand instead (a Gluon kernel: it does not run under the
-  interpreter, which keeps the mma.sync kernel for these shapes).
+  interpreter, which keeps the mma.sync kernel for these shapes); mxfp8 weights take that
+  kernel from 2 rows, their e4m3 codes converted by the hardware (e4m3 pairs to float16, then
+  bf16) and multiplied by the scale a pair.
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
   quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1
   byte (fp8) or half a byte (fp4) per element plus the scales, which is the speed-up where a bf16
@@ -416,32 +418,33 @@ def _mma_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr,
                         c_ptr, 0.0, HAS_BIAS, 0, TENSOR_SCALE, 0, False)
 
 
-# A wgmma step takes 128 of K: 16 int32 words of codes a row of B.
+# A wgmma step takes 128 of K: 16 int32 words of fp4 codes a row of B, or 32 of e4m3 codes.
 WGMMA_STEP_K = 128
 _E2M1_HALVES_PTX = gl.constexpr(quant._e2m1_word_times_ptx(False, halves=True))
 _E2M1_HALVES_TIMES_2_126_PTX = gl.constexpr(quant._e2m1_word_times_ptx(True, halves=True))
+_E4M3_HALVES_PTX = gl.constexpr(quant.E4M3_WORD_TIMES_HALVES_PTX)
 
 
 @gluon.constexpr_function
-def _wgmma_words_layout(BLOCK_N, WPT):
-    """Where B's (BLOCK_N, 16) words of a step live: the wgmma A operand's layout (register A,
+def _wgmma_words_layout(BLOCK_N, WPT, WORDS):
+    """Where B's (BLOCK_N, WORDS) words of a step live: the wgmma A operand's layout (register A,
     bf16: lanes hold k 2t, 2t + 1 (t = lane % 4) and + 8 of each k16 of rows lane // 4 and + 8,
     warps 16 rows each, a warpgroup per 64 rows) read as words. A thread takes WPT consecutive
-    words (one scale block: WPT = block / 8) at word WPT t of each 32 WPT of K, so that its eight
-    codes a word fill its four bf16 pairs of two k16 chunks, K permuted (x is permuted to match,
-    _wgmma_kernel)."""
-    regs = [[0, 1 << i] for i in range(WPT.bit_length() - 1)] + [[8, 0]] + [[0, 4 * WPT]] * (4 * WPT < 16)
+    words (one scale block) at word WPT t of each 4 WPT words of a row, so that the codes of a
+    word fill whole bf16 pairs of its k16 chunks (eight e2m1 codes four pairs of two chunks, four
+    e4m3 codes two pairs of one), K permuted (x is permuted to match, _wgmma_kernel)."""
+    regs = [[0, 1 << i] for i in range(WPT.bit_length() - 1)] + [[8, 0]] + [[0, 4 * WPT]] * (4 * WPT < WORDS)
     return gl.DistributedLinearLayout(regs, [[0, WPT], [0, 2 * WPT], [1, 0], [2, 0], [4, 0]], _row_warps(BLOCK_N), [],
-                                      [BLOCK_N, 16])
+                                      [BLOCK_N, WORDS])
 
 
 @gluon.constexpr_function
-def _wgmma_scales_layout(BLOCK_N, WPT):
-    """The step's (BLOCK_N, 16 / WPT) block scales where _wgmma_words_layout has their words (one
+def _wgmma_scales_layout(BLOCK_N, BLOCKS):
+    """The step's (BLOCK_N, BLOCKS) block scales where _wgmma_words_layout has their words (one
     register a block: joined WPT times, they are the words' multipliers)."""
-    regs = [[8, 0]] + [[0, b] for b in (4, 8) if b < 16 // WPT]
+    regs = [[8, 0]] + [[0, b] for b in (4, 8) if b < BLOCKS]
     return gl.DistributedLinearLayout(regs, [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], _row_warps(BLOCK_N), [],
-                                      [BLOCK_N, 16 // WPT])
+                                      [BLOCK_N, BLOCKS])
 
 
 @gluon.constexpr_function
@@ -455,20 +458,23 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
                   M, N, K, steps_per_split, stride_xm, stride_bs, stride_cm,
                   B_FMT: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, TENSOR_SCALE: gl.constexpr,
                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, X_BY_TMA: gl.constexpr):
-    """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of fp4 B over one K split, Hopper only
+    """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of block-scaled B over one K split, Hopper only
     (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
     C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
     memory, a warpgroup per 64 rows of B (they share x's tile). B's words come by TMA, STAGES
     steps ahead; a thread reads its words (_wgmma_words_layout), decodes them with the block
-    scale's multiply (the PTX of _mma_kernel's decode, element by element) and joins the
-    elements into the operand's layout without moving data between threads. x's K must be
+    scale's multiply (fp4: the PTX of _mma_kernel's decode, element by element; e4m3: the
+    hardware's conversions) and joins the elements into the operand's layout without moving
+    data between threads. x's K must be
     permuted as the decode leaves B's (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a
     copy of x so permuted, and its tiles come with B's words. Otherwise x is a pointer to x (K
     contiguous): its tiles are loaded a step ahead into registers and permuted on their way into
     shared memory (a relabelling of the registers: the stores put each element in place). The
     scales are loaded a step ahead into registers."""
-    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else 4
-    BLOCKS: gl.constexpr = 16 // WPT
+    # Words of B a row a step, and a scale block's words (a thread's consecutive words).
+    WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
+    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
+    BLOCKS: gl.constexpr = WORDS // WPT
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -478,15 +484,15 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BLOCK_N // 16, 1],
                                                   instr_shape=[16, TOKENS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT)
-    scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, WPT)
+    words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT, WORDS)
+    scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, BLOCKS)
     if X_BY_TMA:
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], x.layout)
     else:
         # Two buffers: a step's stores never meet the wgmma of the step before, still reading.
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, TOKENS, 128],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    b_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], b_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
@@ -519,9 +525,11 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
             bits = gl.where(raw == 0, 0x40, gl.where(raw == 255, 0x7FC0, raw << 7))
         multipliers = bits | (bits << 16)
         multipliers = gl.join(multipliers, multipliers)
-        if WPT == 4:
+        if WPT >= 4:
             multipliers = gl.join(multipliers, multipliers)
-        multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, 16]), words_layout)
+        if WPT == 8:
+            multipliers = gl.join(multipliers, multipliers)
+        multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, WORDS]), words_layout)
         stage = i % STAGES
         if X_BY_TMA:
             x_buffer = x_smem.index(stage)
@@ -529,21 +537,34 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
             x_tile = next_x
             x_ptrs += 128
             next_x = gl.load(x_ptrs, mask=x_mask & (i + 1 < steps), other=0.0)
-            # Column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h takes x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0.
-            x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 128 // (32 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 5, 6, 2, 4))
+            if B_FMT == "mxfp8":
+                # Column 16 c + 8 p + 2 t + h takes x's 32 t + 4 c + 2 p + h.
+                x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 4, 8, 2, 2]), (0, 2, 3, 1, 4))
+            else:
+                # Column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h takes x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0.
+                x_tile = gl.permute(gl.reshape(x_tile, [TOKENS, 128 // (32 * WPT), 4, WPT, 2, 2, 2]),
+                                    (0, 1, 3, 5, 6, 2, 4))
             x_buffer = x_smem.index(i % 2)
             x_buffer.store(gl.reshape(x_tile, [TOKENS, 128]))
             fence_async_shared()
             gl.thread_barrier()
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         words = b_smem.index(stage).load(words_layout)
-        asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
-        e = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, multipliers],
-                                      dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        # Element 4 h + 2 p1 + p0 of word (j, t, u) goes to k 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h.
-        joined = gl.join(gl.join(gl.join(e[0], e[4]), gl.join(e[1], e[5])),
-                         gl.join(gl.join(e[2], e[6]), gl.join(e[3], e[7])))
-        joined = gl.permute(gl.reshape(joined, [BLOCK_N, 16 // (4 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 6, 5, 2, 4))
+        if B_FMT == "mxfp8":
+            e = gl.inline_asm_elementwise(_E4M3_HALVES_PTX, "=h,=h,=h,=h,r,r", [words, multipliers],
+                                          dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1)
+            # Element 2 p + h of word (t, c) goes to k 16 c + 8 p + 2 t + h (an outer join's index is last).
+            joined = gl.join(gl.join(e[0], e[2]), gl.join(e[1], e[3]))
+            joined = gl.permute(gl.reshape(joined, [BLOCK_N, 4, 8, 2, 2]), (0, 2, 3, 1, 4))
+        else:
+            asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
+            e = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, multipliers],
+                                          dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+            # Element 4 h + 2 p1 + p0 of word (j, t, u) goes to k 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h.
+            joined = gl.join(gl.join(gl.join(e[0], e[4]), gl.join(e[1], e[5])),
+                             gl.join(gl.join(e[2], e[6]), gl.join(e[3], e[7])))
+            joined = gl.permute(gl.reshape(joined, [BLOCK_N, 16 // (4 * WPT), 4, WPT, 2, 2, 2]),
+                                (0, 1, 3, 6, 5, 2, 4))
         a = gl.convert_layout(gl.reshape(joined, [BLOCK_N, 128]), a_layout)
         acc = warpgroup_mma(a, x_buffer.permute((1, 0)), acc, is_async=True)
         # Waiting here keeps a's registers (read by the asynchronous wgmma) alive until it is done.
@@ -587,14 +608,15 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
 
 @gluon.jit
 def _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, stage, step, n0, X_BY_TMA: gl.constexpr):
-    """TMA loads of a step's words of B (BLOCK_N, 16) into a stage, with x's tile (TOKENS, 128;
+    """TMA loads of a step's words of B (BLOCK_N, WORDS) into a stage, with x's tile (TOKENS, 128;
     its rows past M arrive as zeros) when X_BY_TMA."""
     if X_BY_TMA:
         mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes + x.block_type.nbytes)
         tma.async_copy_global_to_shared(x, [0, step * 128], ready.index(stage), x_smem.index(stage))
     else:
         mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(b_desc, [n0, step * 16], ready.index(stage), b_smem.index(stage))
+    words: gl.constexpr = b_desc.block_shape[1]
+    tma.async_copy_global_to_shared(b_desc, [n0, step * words], ready.index(stage), b_smem.index(stage))
 
 
 @triton.jit
@@ -735,7 +757,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and M <= GEMV_MAX_M and b.data.data_ptr() % 4 == 0:
         _one_row(a_data, b, c, N, K, bias, tensor_scale)
-    elif a_fmt == "bf16" and b.fmt != "mxfp8" and _wgmma_fits(b, M, N, K):
+    elif a_fmt == "bf16" and _wgmma_fits(b, M, N, K):
         _wgmma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and b.fmt != "mxfp8" and M <= MMA_MAX_M and b.data.data_ptr() % 4 == 0:
         _mma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
@@ -890,6 +912,11 @@ _mma_plans = runtime.PlanTable()
 WGMMA_MIN_M = 9
 WGMMA_MIN_WEIGHT = 2**27
 WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1)}
+# mxfp8 weights have no mma.sync kernel: from 2 rows the wgmma kernel replaces the in-register one
+# (H100, K 8192, GPU time: N 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62), on one
+# shape for every token count, best or within 8% of the best of 12 (64-row tiles at N 8192).
+WGMMA_E4M3_MIN_M = 2
+WGMMA_E4M3_SHAPE = (128, 3, 1)
 # From this many tokens a program on, x reaches _wgmma_kernel by TMA from a permuted copy (its
 # tile a step is 2-4 times B's there; GPU time at N 28672, nvfp4 / mxfp4: M 64 144 -> 111 and
 # 137 -> 107 us, M 32 93 -> 79 and 89 -> 78, on (64, 2, 8)). At 16 tokens the copy's launch costs
@@ -898,21 +925,28 @@ WGMMA_TMA_X_MIN_TOKENS = 32
 
 
 def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
-    return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= MMA_MAX_M and (M > 16 or N * K >= WGMMA_MIN_WEIGHT)
-            and K % WGMMA_STEP_K == 0 and b.data.data_ptr() % 16 == 0
+    if b.fmt == "mxfp8":
+        rows_fit = WGMMA_E4M3_MIN_M <= M <= MMA_MAX_M
+    else:
+        rows_fit = WGMMA_MIN_M <= M <= MMA_MAX_M and (M > 16 or N * K >= WGMMA_MIN_WEIGHT)
+    return (not runtime.INTERPRET and rows_fit and K % WGMMA_STEP_K == 0 and b.data.data_ptr() % 16 == 0
             and runtime.capability(b.data.device.index or 0) == (9, 0))
 
 
-def _wgmma_x_columns(K: int, wpt: int, device: torch.device) -> torch.Tensor:
+def _wgmma_x_columns(K: int, fmt: str, device: torch.device) -> torch.Tensor:
     """The columns of x that _wgmma_kernel's copy of x holds, in order: K permuted in each step
-    of 128 as the kernel's decode of B leaves it (column 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h
-    of a step holds x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2 p1 + p0)."""
-    steps = torch.arange(K, device=device).view(K // WGMMA_STEP_K, WGMMA_STEP_K // (32 * wpt), 4, wpt, 2, 2, 2)
-    return steps.permute(0, 1, 3, 5, 6, 2, 4).flatten()
+    of 128 as the kernel's decode of B leaves it. fp4, with WPT a scale block's words: column 32
+    WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h of a step holds x's 32 WPT j + 8 WPT t + 8 u + 4 h + 2
+    p1 + p0; mxfp8: column 16 c + 8 p + 2 t + h holds x's 32 t + 4 c + 2 p + h."""
+    steps = torch.arange(K, device=device).view(K // WGMMA_STEP_K, WGMMA_STEP_K)
+    if fmt == "mxfp8":
+        return steps.view(-1, 4, 8, 2, 2).permute(0, 2, 3, 1, 4).flatten()
+    wpt = FORMATS[fmt][0] // 8
+    return steps.view(-1, WGMMA_STEP_K // (32 * wpt), 4, wpt, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).flatten()
 
 
 def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
-    """bf16 x (M, K) times fp4 B on Hopper: _wgmma_kernel, planned once per signature and
+    """bf16 x (M, K) times block-scaled B on Hopper: _wgmma_kernel, planned once per signature and
     replayed. The plan holds B's TMA descriptor and, from WGMMA_TMA_X_MIN_TOKENS, a buffer for
     the permuted copy of x with its own descriptor: a call writes x there by one index_select
     (this path's time is near its host time; torch's permuted copy cost 30-40 us more of it)."""
@@ -927,18 +961,19 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
            *(t.data_ptr() % 16 for t in (x, bias_arg)))
     plan = _wgmma_plans.get(key)
     if plan is None:
-        block_n, stages, per_sm = WGMMA_SHAPES[tokens]
+        block_n, stages, per_sm = WGMMA_E4M3_SHAPE if b.fmt == "mxfp8" else WGMMA_SHAPES[tokens]
         if block_n > 64 and runtime.cdiv(N, block_n) < runtime.num_sms(c.device.index or 0):
             block_n = 64
         tiles = runtime.cdiv(N, block_n)
         split, k_per_split = _split_k(tiles, K, WGMMA_STEP_K, c.device, per_sm)
         words = b.data.view(torch.int32)
-        b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, 16],
-                                  gl.NVMMASharedLayout.get_default_for([block_n, 16], gl.int32))
+        step_words = words.shape[1] * WGMMA_STEP_K // K
+        b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, step_words],
+                                  gl.NVMMASharedLayout.get_default_for([block_n, step_words], gl.int32))
         x_by_tma = tokens >= WGMMA_TMA_X_MIN_TOKENS
         x_columns = x_desc = None
         if x_by_tma:
-            x_columns = _wgmma_x_columns(K, b.block // 8, c.device)  # the kernel's WPT: a scale block's words
+            x_columns = _wgmma_x_columns(K, b.fmt, c.device)
             x_permuted = torch.empty(M, K, dtype=torch.bfloat16, device=c.device)
             x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
                                       gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
