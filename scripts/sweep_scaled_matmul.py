@@ -140,7 +140,7 @@ def sweep_wgmma(only):
     # mxfp8 has one shape for every token count; its baseline is the in-register kernel.
     for M in (64, 32, 16, 8, 4, 2):
         for N in (8192, 28672):
-            _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_E4M3_MIN_M",
+            _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_MIN_M",
                                  "WGMMA_E4M3_SHAPE", WGMMA_CANDIDATES, lambda shape: shape, off=1 << 30)
 
 

@@ -37,7 +37,7 @@ def test_bf16_activations_times_quantized_weight(fmt, M, device):
                                    (40, 70, 1056), (64, 128, 1024)])
 def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
     # M = 1 takes the CUDA-core kernel, up to 64 rows of fp4 weights the mma.sync kernel, on
-    # Hopper the wgmma kernel (any format) from 17 rows when K is a multiple of 128 (on the GPU their codes
+    # Hopper the wgmma kernel (any format) when K is a multiple of 128 (on the GPU their codes
     # decode in PTX, with K permuted within the tensor cores' operands): every code byte in every
     # row, scales over the formats' range, x a strided view, K split, bias; M, N and K below and
     # at multiples of the kernels' tiles (their masked and unmasked loads).
@@ -47,11 +47,14 @@ def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("M,N,K", [(3, 130, 1024), (9, 130, 1024), (16, 256, 1024), (12, 70, 2048)])
-def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, device, monkeypatch):
-    # Up to 16 rows only large fp4 weights from 9 rows take the wgmma kernel: these are sent there.
-    monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
-    monkeypatch.setattr(sm, "WGMMA_MIN_M", 2)
+@pytest.mark.parametrize("large_weight_shape", [False, True])
+def test_wgmma_kernel_up_to_16_rows(fmt, M, N, K, large_weight_shape, device, monkeypatch):
+    # 16 tokens a program, on the small weights' launch shape and on the large ones' (more splits of K).
+    if large_weight_shape:
+        monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
+    sm._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
+    sm._wgmma_plans.clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")

@@ -20,10 +20,10 @@ ways, by M:
   as the A operand (C^T = B X^T), its codes decoded in registers into the A fragments with K
   permuted within each fragment, so that a lane's int32 word of eight codes is four registers
   of bf16 pairs after 15 integer instructions and one (nvfp4) or two (mxfp4) bf16x2 multiplies
-  a pair for the block scale. On Hopper, from 17 rows (9 for large weights), the same decode
-  feeds wgmma's register operand instead (a Gluon kernel: it does not run under the
-  interpreter, which keeps the mma.sync kernel for these shapes); mxfp8 weights take that
-  kernel from 2 rows, their e4m3 codes converted by the hardware (e4m3 pairs to float16, then
+  a pair for the block scale. On Hopper the same decode feeds wgmma's register operand instead
+  (a Gluon kernel: it does not run under the interpreter, which keeps the mma.sync kernel for
+  these shapes, as do other GPUs, K not a multiple of 128 and unaligned weights); mxfp8 weights
+  take that kernel too, their e4m3 codes converted by the hardware (e4m3 pairs to float16, then
   bf16) and multiplied by the scale a pair.
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
   quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1
@@ -757,7 +757,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and M <= GEMV_MAX_M and b.data.data_ptr() % 4 == 0:
         _one_row(a_data, b, c, N, K, bias, tensor_scale)
-    elif a_fmt == "bf16" and _wgmma_fits(b, M, N, K):
+    elif a_fmt == "bf16" and _wgmma_fits(b, M, K):
         _wgmma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and b.fmt != "mxfp8" and M <= MMA_MAX_M and b.data.data_ptr() % 4 == 0:
         _mma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
@@ -860,7 +860,8 @@ def _one_row(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
 _gemv_plans = runtime.PlanTable()
 
 
-# Rows of a bf16 A up to which fp4 weights go through _mma_kernel, and its launch shapes by the
+# Rows of a bf16 A up to which fp4 weights go through _mma_kernel where _wgmma_kernel does not
+# take them (off Hopper, K not a multiple of 128, unaligned weights), and its launch shapes by the
 # 8-row tiles of x a program takes: (warps, 16-row tiles of B a warp, programs an SM that split-K
 # aims at). scripts/sweep_scaled_matmul.py --mma, H100, K 8192, GPU time alone: at M = 64 and N
 # = 28672 (2, 2, 8) 164-172 us against 177-270 for 7 other shapes, at M = 32 103 against 108-151.
@@ -898,7 +899,7 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
 
 _mma_plans = runtime.PlanTable()
 
-# Rows of a bf16 A from which fp4 weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
+# Rows of a bf16 A from which weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
 # and its launch shapes by the tokens of x a program takes: (BLOCK_N, STAGES, programs an SM
 # that split-K aims at; a warpgroup per 64 rows of BLOCK_N). scripts/sweep_scaled_matmul.py
 # --wgmma, H100, K 8192, GPU time alone: (64, 3, 8) is best or within 5 us of it at M 16 and 32
@@ -906,16 +907,18 @@ _mma_plans = runtime.PlanTable()
 # B's 4: two warpgroups sharing it halve x's L2 traffic, and K is not split past one program an
 # SM (a split writes and reads back 64 N floats): nvfp4 M 64 N 28672 111 -> 93 us on (128, 4, 1),
 # mxfp4 110 -> 90; N 8192 50 -> 36 on (64, 4, 1), where 128-row tiles would not fill the SMs.
-# Up to 16 rows a weight under WGMMA_MIN_WEIGHT elements stays on _mma_kernel: at N = K = 8192 its
-# bench time was 34 us against 36-46 (the wgmma grid is 128 tiles of B, the kernel's prologue and
-# split-K epilogue weigh more there), at N = 28672 95 against 79.
-WGMMA_MIN_M = 9
+# From 2 rows fp4 weights take it too: at 2-8 rows, K 8192, bench time N 28672 78-80 us on (64, 3,
+# 8) against _mma_kernel's 88-92, N 8192 27-29 against 31-32. A 16-token program under
+# WGMMA_MIN_WEIGHT weight elements aims split-K at 4 programs an SM, not 8 (N 8192: 640 programs,
+# one wave at about 5 resident an SM, against 1024): bench 28.6-30.6 against 32.5-34.8 us, where
+# _mma_kernel took 33-34 (42 at 12 rows).
+WGMMA_MIN_M = 2
 WGMMA_MIN_WEIGHT = 2**27
 WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1)}
-# mxfp8 weights have no mma.sync kernel: from 2 rows the wgmma kernel replaces the in-register one
-# (H100, K 8192, GPU time: N 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62), on one
-# shape for every token count, best or within 8% of the best of 12 (64-row tiles at N 8192).
-WGMMA_E4M3_MIN_M = 2
+WGMMA_SMALL_WEIGHT_SHAPE = (64, 3, 4)
+# mxfp8 weights (no mma.sync kernel: the in-register one took them, H100, K 8192, GPU time: N
+# 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62) take one shape for every token
+# count, best or within 8% of the best of 12 (64-row tiles at N 8192).
 WGMMA_E4M3_SHAPE = (128, 3, 1)
 # From this many tokens a program on, x reaches _wgmma_kernel by TMA from a permuted copy (its
 # tile a step is 2-4 times B's there; GPU time at N 28672, nvfp4 / mxfp4: M 64 144 -> 111 and
@@ -924,13 +927,18 @@ WGMMA_E4M3_SHAPE = (128, 3, 1)
 WGMMA_TMA_X_MIN_TOKENS = 32
 
 
-def _wgmma_fits(b: QuantizedTensor, M: int, N: int, K: int) -> bool:
-    if b.fmt == "mxfp8":
-        rows_fit = WGMMA_E4M3_MIN_M <= M <= MMA_MAX_M
-    else:
-        rows_fit = WGMMA_MIN_M <= M <= MMA_MAX_M and (M > 16 or N * K >= WGMMA_MIN_WEIGHT)
-    return (not runtime.INTERPRET and rows_fit and K % WGMMA_STEP_K == 0 and b.data.data_ptr() % 16 == 0
-            and runtime.capability(b.data.device.index or 0) == (9, 0))
+def _wgmma_fits(b: QuantizedTensor, M: int, K: int) -> bool:
+    return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= MMA_MAX_M and K % WGMMA_STEP_K == 0
+            and b.data.data_ptr() % 16 == 0 and runtime.capability(b.data.device.index or 0) == (9, 0))
+
+
+def _wgmma_shape(fmt: str, tokens: int, N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, programs an SM that split-K aims at) of _wgmma_kernel."""
+    if fmt == "mxfp8":
+        return WGMMA_E4M3_SHAPE
+    if tokens == 16 and N * K < WGMMA_MIN_WEIGHT:
+        return WGMMA_SMALL_WEIGHT_SHAPE
+    return WGMMA_SHAPES[tokens]
 
 
 def _wgmma_x_columns(K: int, fmt: str, device: torch.device) -> torch.Tensor:
@@ -961,7 +969,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
            *(t.data_ptr() % 16 for t in (x, bias_arg)))
     plan = _wgmma_plans.get(key)
     if plan is None:
-        block_n, stages, per_sm = WGMMA_E4M3_SHAPE if b.fmt == "mxfp8" else WGMMA_SHAPES[tokens]
+        block_n, stages, per_sm = _wgmma_shape(b.fmt, tokens, N, K)
         if block_n > 64 and runtime.cdiv(N, block_n) < runtime.num_sms(c.device.index or 0):
             block_n = 64
         tiles = runtime.cdiv(N, block_n)
