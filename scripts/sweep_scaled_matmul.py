@@ -126,11 +126,13 @@ def sweep_mma(only):
 
 
 # (BLOCK_N, STAGES, programs an SM for split-K); a warpgroup per 64 rows of BLOCK_N.
-WGMMA_CANDIDATES = [(64, 2, 8), (64, 3, 8), (64, 4, 8), (64, 6, 8), (64, 3, 1), (64, 4, 1), (128, 3, 1), (128, 4, 1),
-                    (128, 3, 2), (128, 4, 2), (128, 4, 4), (256, 4, 1)]
+WGMMA_CANDIDATES = [(64, 2, 8), (64, 3, 8), (64, 4, 8), (64, 6, 8), (64, 3, 4), (64, 3, 1), (64, 4, 1), (128, 3, 1),
+                    (128, 4, 1), (128, 3, 2), (128, 4, 2), (128, 4, 4), (256, 4, 1)]
 
 
 def sweep_wgmma(only):
+    # Every weight takes the candidate: small ones would otherwise keep WGMMA_SMALL_WEIGHT_SHAPE at 16 tokens.
+    sm.WGMMA_MIN_WEIGHT = 0
     for fmt in ("nvfp4", "mxfp4"):
         for M in (64, 32, 16):
             for N in (8192, 28672):

@@ -465,12 +465,11 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     steps ahead; a thread reads its words (_wgmma_words_layout), decodes them with the block
     scale's multiply (fp4: the PTX of _mma_kernel's decode, element by element; e4m3: the
     hardware's conversions) and joins the elements into the operand's layout without moving
-    data between threads. x's K must be
-    permuted as the decode leaves B's (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a
-    copy of x so permuted, and its tiles come with B's words. Otherwise x is a pointer to x (K
-    contiguous): its tiles are loaded a step ahead into registers and permuted on their way into
-    shared memory (a relabelling of the registers: the stores put each element in place). The
-    scales are loaded a step ahead into registers."""
+    data between threads. x's K must be permuted as the decode leaves B's (_wgmma_x_columns).
+    X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its tiles come with B's
+    words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded a step ahead into
+    registers and permuted on their way into shared memory (a relabelling of the registers: the
+    stores put each element in place). The scales are loaded a step ahead into registers."""
     # Words of B a row a step, and a scale block's words (a thread's consecutive words).
     WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
     WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
