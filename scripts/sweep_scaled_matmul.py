@@ -5,9 +5,9 @@ M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kern
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
 time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise;
 with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync kernel (the
-in-register kernel for mxfp8).
+in-register kernel for mxfp8); with --wgmma-tiles, its tiles of x (WGMMA_MAX_TOKENS) and their shapes from 128 rows on, against the path each M takes without them.
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma] [substring of the case labels]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma | --wgmma-tiles] [substring of the case labels]
 """
 
 import sys
@@ -48,10 +48,12 @@ def sweep_paths(only):
             b = quant.quantize(w, fb, axis=1)
             peer = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
             times = {}
+            sm.WGMMA_MIN_M = 1 << 30  # bf16 activations: sweep_wgmma_tiles compares the wgmma kernel
             for path, threshold in (("registers", 1 << 30), ("dequantize first", 0)):
                 sm.DEQUANTIZE_FIRST_MIN_M = threshold
                 times[path] = do_bench(lambda: sm.scaled_matmul(a, b), warmup=10, rep=50)
             sm.DEQUANTIZE_FIRST_MIN_M = original_threshold
+            sm.WGMMA_MIN_M = original_wgmma_rows[0]
             flops = 2 * M * N * K
             row = " | ".join(f"{p} {t * 1e3:8.1f} us {flops / t * 1e-9:5.0f} TFLOP/s {peer / t:5.2f}x"
                              for p, t in times.items())
@@ -143,14 +145,56 @@ def sweep_wgmma(only):
     for M in (64, 32, 16, 8, 4, 2):
         for N in (8192, 28672):
             _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_MIN_M",
-                                 "WGMMA_E4M3_SHAPE", WGMMA_CANDIDATES, lambda shape: shape, off=1 << 30)
+                                 "WGMMA_E4M3_SHAPES", WGMMA_CANDIDATES, lambda shape: dict.fromkeys(sm.WGMMA_E4M3_SHAPES, shape),
+                                 off=1 << 30)
+
+
+# (tokens a program: WGMMA_MAX_TOKENS, then its shape) from 128 rows on, against the path each M takes without them.
+# 64 tokens times 256 rows of B (four warpgroups) ran 1.5x slower than the best at N 28672.
+WGMMA_TILE_CANDIDATES = [(128, (64, 3, 1)), (128, (64, 2, 1)), (128, (128, 2, 1)), (128, (128, 3, 1)),
+                         (64, (128, 3, 1)), (64, (128, 4, 1))]
+
+
+def sweep_wgmma_tiles(only):
+    K = 8192
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        for M in (128, 256, 512, 768, 1024):
+            for N in (8192, 28672):
+                label = f"bf16 x {fmt} M{M} N{N}"
+                if only not in label:
+                    continue
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+                b = quant.quantize(w, fmt, axis=1)
+                ref = sm.scaled_matmul_reference(x, b, torch.float32)
+                peer = _timed(lambda: x @ w.t(), ref)
+                sm.WGMMA_MIN_M = 1 << 30
+                routed = _timed(lambda: sm.scaled_matmul(x, b), ref)
+                sm.WGMMA_MIN_M, sm.WGMMA_MAX_M = original_wgmma_rows[0], 1 << 30
+                rows = []
+                for tokens, shape in WGMMA_TILE_CANDIDATES:
+                    sm.WGMMA_MAX_TOKENS = tokens
+                    sm.WGMMA_SHAPES = {**original_wgmma_tiles[1], tokens: shape}
+                    sm.WGMMA_E4M3_SHAPES = {**original_wgmma_tiles[2], tokens: shape}
+                    rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), (tokens, *shape)))
+                sm.WGMMA_MAX_TOKENS, sm.WGMMA_SHAPES, sm.WGMMA_E4M3_SHAPES = original_wgmma_tiles
+                sm.WGMMA_MIN_M, sm.WGMMA_MAX_M = original_wgmma_rows
+                best = min(rows, key=lambda r: r[0])
+                print(f"{label:24s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | without tiles {routed[0]:6.1f}/"
+                      f"{routed[1]:6.1f} | best {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us = "
+                      f"{peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch, {routed[0] / best[0]:4.2f}x "
+                      f"without (bench/graph), err {max(r[2] for r in rows):.1e}", flush=True)
+                print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
 
 
 original = sm._launch_shape
 original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
+original_wgmma_rows = sm.WGMMA_MIN_M, sm.WGMMA_MAX_M
+original_wgmma_tiles = sm.WGMMA_MAX_TOKENS, dict(sm.WGMMA_SHAPES), dict(sm.WGMMA_E4M3_SHAPES)
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 only = args[0] if args else ""
-for flag, sweep in (("--paths", sweep_paths), ("--gemv", sweep_gemv), ("--mma", sweep_mma), ("--wgmma", sweep_wgmma)):
+for flag, sweep in (("--paths", sweep_paths), ("--gemv", sweep_gemv), ("--mma", sweep_mma), ("--wgmma", sweep_wgmma),
+                    ("--wgmma-tiles", sweep_wgmma_tiles)):
     if flag in sys.argv:
         sweep(only)
         sys.exit()

@@ -67,8 +67,23 @@ def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
     # token count and small N are sent there, with K split at 2048.
     monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
     monkeypatch.setattr(sm, "WGMMA_SHAPES", dict.fromkeys(sm.WGMMA_SHAPES, (128, 3, 8)))
-    monkeypatch.setattr(sm, "WGMMA_E4M3_SHAPE", (128, 3, 8))
+    monkeypatch.setattr(sm, "WGMMA_E4M3_SHAPES", dict.fromkeys(sm.WGMMA_E4M3_SHAPES, (128, 3, 8)))
     monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
+    sm._wgmma_plans.clear()
+    _check_every_code_byte(fmt, M, N, K, device)
+    sm._wgmma_plans.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M,N,K,split", [(65, 130, 1024, False), (128, 256, 1024, True), (200, 70, 2048, True),
+                                         (300, 130, 1152, False), (600, 64, 2048, True)])
+def test_wgmma_kernel_token_tiles(fmt, M, N, K, split, device, monkeypatch):
+    # Past WGMMA_MAX_TOKENS rows x comes in tiles, one a program along the grid's first axis;
+    # here with K split at 1024 (and B's rows at 64 a program) and without, and past WGMMA_MAX_M.
+    monkeypatch.setattr(sm, "WGMMA_MAX_M", 1 << 30)
+    if not split:
+        monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
     sm._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
     sm._wgmma_plans.clear()
@@ -207,6 +222,7 @@ def test_dequantize_first_path_in_slabs(fmt_a, fmt_b, device, monkeypatch):
     # Every M takes the dequantize-then-matmul path, with B in slabs of 256 rows (the last one
     # partial), bias and nvfp4's tensor scales applied in the matmul's epilogue.
     monkeypatch.setattr(sm, "DEQUANTIZE_FIRST_MIN_M", 1)
+    monkeypatch.setattr(sm, "WGMMA_MIN_M", 1 << 30)  # which takes bf16 activations before it on Hopper
     monkeypatch.setattr(sm, "DEQUANTIZE_SLAB_BYTES", 1)
     M, N, K = 19, 600, 64
     x = torch.randn(M, K, device=device)

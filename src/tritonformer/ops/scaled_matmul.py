@@ -24,13 +24,14 @@ ways, by M:
   (a Gluon kernel: it does not run under the interpreter, which keeps the mma.sync kernel for
   these shapes, as do other GPUs, K not a multiple of 128 and unaligned weights); mxfp8 weights
   take that kernel too, their e4m3 codes converted by the hardware (e4m3 pairs to float16, then
-  bf16) and multiplied by the scale a pair.
-- few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: weight-only inference, both operands
-  quantized): one kernel whose programs dequantize their tiles in registers. The weights move 1
+  bf16) and multiplied by the scale a pair. On Hopper it also takes bf16 activations up to
+  WGMMA_MAX_M rows (prefill, large decode batches) in tiles of 128 tokens a program.
+- few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: both operands quantized, bf16 activations
+  where the wgmma kernel does not run): one kernel whose programs dequantize their tiles in registers. The weights move 1
   byte (fp8) or half a byte (fp4) per element plus the scales, which is the speed-up where a bf16
   matmul is bound by reading the weight; a grid of few output tiles splits K so that every SM
   streams the weight.
-- many rows (from 512): dequantize into bf16 buffers (A whole, B in slabs of at most 64 MiB),
+- many rows (from 512, bf16 activations on Hopper from 1024): dequantize into bf16 buffers (A whole, B in slabs of at most 64 MiB),
   then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
   5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against torch bf16's 652-672 in the same runs).
   Decoding in registers there costs each tile of B once per tile of M on the CUDA cores (207-262
@@ -458,10 +459,12 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
                   M, N, K, steps_per_split, stride_xm, stride_bs, stride_cm,
                   B_FMT: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, TENSOR_SCALE: gl.constexpr,
                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, X_BY_TMA: gl.constexpr):
-    """A few bf16 rows x (M <= TOKENS) times BLOCK_N rows of block-scaled B over one K split, Hopper only
+    """TOKENS bf16 rows of x times BLOCK_N rows of block-scaled B over one K split, Hopper only
     (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
     C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
-    memory, a warpgroup per 64 rows of B (they share x's tile). B's words come by TMA, STAGES
+    memory, a warpgroup per 64 rows of B (they share x's tile). The grid's first axis takes x's
+    tiles of TOKENS rows, so that the programs of one tile of B run together and B comes from DRAM
+    once. B's words come by TMA, STAGES
     steps ahead; a thread reads its words (_wgmma_words_layout), decodes them with the block
     scale's multiply (fp4: the PTX of _mma_kernel's decode, element by element; e4m3: the
     hardware's conversions) and joins the elements into the operand's layout without moving
@@ -474,8 +477,10 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
     WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
     BLOCKS: gl.constexpr = WORDS // WPT
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    m0 = pid_m * TOKENS
     n0 = pid_n * BLOCK_N
     step_lo = pid_k * steps_per_split
     steps = gl.minimum(steps_per_split, K // 128 - step_lo)
@@ -497,11 +502,11 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
         if s < steps:
-            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, s, step_lo + s, n0, X_BY_TMA)
+            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, s, step_lo + s, m0, n0, X_BY_TMA)
 
     if not X_BY_TMA:
         x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [BLOCK_N // 16, 1], [1, 0])
-        tokens_x = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
+        tokens_x = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
         x_ptrs = (x + tokens_x.to(gl.int64)[:, None] * stride_xm
                   + (step_lo * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x_layout)))[None, :])
         x_mask = (tokens_x < M)[:, None]
@@ -574,14 +579,14 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
                 # Every warp is past its reads of the stage the load refills (step i - 1's); x's
                 # barrier of this step did that otherwise.
                 gl.thread_barrier()
-            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, ahead % STAGES, step_lo + ahead, n0, X_BY_TMA)
+            _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, ahead % STAGES, step_lo + ahead, m0, n0, X_BY_TMA)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
     if B_FMT == "nvfp4":
         acc = acc * 256.0  # the 2^-8 of the e4m3 multipliers
     rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
+    tokens = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
     mask = (rows < N)[:, None] & (tokens < M)[None, :]
     # The partials have split_k_total's layout (SPLIT_K, M, N).
     offsets = tokens.to(gl.int64)[None, :] * N + rows[:, None]
@@ -589,13 +594,14 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     if SPLIT_K > 1:
         gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + offsets, acc, mask=mask)
         gl.thread_barrier()
-        arrived = gl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        tile = pid_n * gl.num_programs(0) + pid_m
+        arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         finish = arrived == SPLIT_K - 1
         if finish:
             acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
             for split in gl.static_range(SPLIT_K):
                 acc += gl.load(ws_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.store(counter_ptr + pid_n, 0)
+            gl.store(counter_ptr + tile, 0)
     if finish:
         if TENSOR_SCALE:
             acc = acc * gl.load(tensor_scale_ptr)
@@ -606,12 +612,12 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
 
 
 @gluon.jit
-def _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, stage, step, n0, X_BY_TMA: gl.constexpr):
-    """TMA loads of a step's words of B (BLOCK_N, WORDS) into a stage, with x's tile (TOKENS, 128;
-    its rows past M arrive as zeros) when X_BY_TMA."""
+def _wgmma_load_step(x, x_smem, b_desc, b_smem, ready, stage, step, m0, n0, X_BY_TMA: gl.constexpr):
+    """TMA loads of a step's words of B (BLOCK_N, WORDS) into a stage, with x's tile (TOKENS, 128
+    from row m0; its rows past M arrive as zeros) when X_BY_TMA."""
     if X_BY_TMA:
         mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes + x.block_type.nbytes)
-        tma.async_copy_global_to_shared(x, [0, step * 128], ready.index(stage), x_smem.index(stage))
+        tma.async_copy_global_to_shared(x, [m0, step * 128], ready.index(stage), x_smem.index(stage))
     else:
         mbarrier.expect(ready.index(stage), b_desc.block_type.nbytes)
     words: gl.constexpr = b_desc.block_shape[1]
@@ -752,12 +758,12 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
             tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
     if _native_block_scaled(a_fmt, b, M):
         _dot_scaled(a, b, c, M, N, K, bias, tensor_scale)
-    elif M >= DEQUANTIZE_FIRST_MIN_M:
-        _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and M <= GEMV_MAX_M and b.data.data_ptr() % 4 == 0:
         _one_row(a_data, b, c, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and _wgmma_fits(b, M, K):
         _wgmma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
+    elif M >= DEQUANTIZE_FIRST_MIN_M:
+        _dequantize_first(a, b, c, M, N, K, bias, tensor_scale)
     elif a_fmt == "bf16" and b.fmt != "mxfp8" and M <= MMA_MAX_M and b.data.data_ptr() % 4 == 0:
         _mma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     else:
@@ -898,27 +904,38 @@ def _mma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
 
 _mma_plans = runtime.PlanTable()
 
-# Rows of a bf16 A from which weights go through _wgmma_kernel on Hopper (up to MMA_MAX_M),
-# and its launch shapes by the tokens of x a program takes: (BLOCK_N, STAGES, programs an SM
-# that split-K aims at; a warpgroup per 64 rows of BLOCK_N). scripts/sweep_scaled_matmul.py
-# --wgmma, H100, K 8192, GPU time alone: (64, 3, 8) is best or within 5 us of it at M 16 and 32
-# (M 16 N 28672 70 us against _mma_kernel's 85). At 64 tokens x's tile a step is 16 KiB against
-# B's 4: two warpgroups sharing it halve x's L2 traffic, and K is not split past one program an
-# SM (a split writes and reads back 64 N floats): nvfp4 M 64 N 28672 111 -> 93 us on (128, 4, 1),
-# mxfp4 110 -> 90; N 8192 50 -> 36 on (64, 4, 1), where 128-row tiles would not fill the SMs.
-# From 2 rows fp4 weights take it too: at 2-8 rows, K 8192, bench time N 28672 78-80 us on (64, 3,
-# 8) against _mma_kernel's 88-92, N 8192 27-29 against 31-32. A 16-token program under
-# WGMMA_MIN_WEIGHT weight elements aims split-K at 4 programs an SM, not 8 (N 8192: 640 programs,
-# one wave at about 5 resident an SM, against 1024): bench 28.6-30.6 against 32.5-34.8 us, where
-# _mma_kernel took 33-34 (42 at 12 rows).
+# Rows of a bf16 A for which weights go through _wgmma_kernel on Hopper, and its launch shapes
+# by the tokens of x a program takes: (BLOCK_N, STAGES, programs an SM that split-K aims at; a
+# warpgroup per 64 rows of BLOCK_N). scripts/sweep_scaled_matmul.py --wgmma, H100, K 8192, GPU
+# time alone: (64, 3, 8) is best or within 5 us of it at M 16 and 32 (M 16 N 28672 70 us against
+# _mma_kernel's 85). At 64 tokens x's tile a step is 16 KiB against B's 4: two warpgroups sharing
+# it halve x's L2 traffic, and K is not split past one program an SM (a split writes and reads
+# back 64 N floats): nvfp4 M 64 N 28672 111 -> 93 us on (128, 4, 1), mxfp4 110 -> 90; N 8192 50
+# -> 36 on (64, 4, 1), where 128-row tiles would not fill the SMs. From 2 rows fp4 weights take it
+# too: at 2-8 rows, K 8192, bench time N 28672 78-80 us on (64, 3, 8) against _mma_kernel's 88-92,
+# N 8192 27-29 against 31-32. A 16-token program under WGMMA_MIN_WEIGHT weight elements aims
+# split-K at 4 programs an SM, not 8 (N 8192: 640 programs, one wave at about 5 resident an SM,
+# against 1024): bench 28.6-30.6 against 32.5-34.8 us, where _mma_kernel took 33-34 (42 at 12
+# rows).
+# Past 64 rows x comes in tiles of WGMMA_MAX_TOKENS (--wgmma-tiles, bench time, nvfp4 / mxfp8,
+# against the in-register kernel below 512 rows and dequantize-first from 512): M 128 N 28672 141
+# / 158 us against 387 / 343, M 256 254 / 282 against 676 / 591, M 512 481 / 540 against 682 /
+# 1407; M 1024 1005 / 976 against 939 / 952, where dequantize-first takes over again. fp4 runs
+# best on 64 rows of B a program, whose 240 registers and 108 KiB of shared memory leave room for
+# two programs an SM: one's decode runs during the other's wgmma, where a program's two or four
+# warpgroups decode together and wait together (tiles of 64 tokens times 256 rows of B, a quarter
+# of x's L2 traffic, ran 1.5x slower).
 WGMMA_MIN_M = 2
+WGMMA_MAX_M = 1023
+WGMMA_MAX_TOKENS = 128
+WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1), 128: (64, 3, 1)}
 WGMMA_MIN_WEIGHT = 2**27
-WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1)}
 WGMMA_SMALL_WEIGHT_SHAPE = (64, 3, 4)
 # mxfp8 weights (no mma.sync kernel: the in-register one took them, H100, K 8192, GPU time: N
-# 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62) take one shape for every token
-# count, best or within 8% of the best of 12 (64-row tiles at N 8192).
-WGMMA_E4M3_SHAPE = (128, 3, 1)
+# 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62) take one shape up to 64 tokens,
+# best or within 8% of the best of 12 (64-row tiles at N 8192), and the best of 8 at 128 tokens
+# from N 28672 (within 20% at N 8192).
+WGMMA_E4M3_SHAPES = {**dict.fromkeys((16, 32, 64), (128, 3, 1)), 128: (128, 2, 1)}
 # From this many tokens a program on, x reaches _wgmma_kernel by TMA from a permuted copy (its
 # tile a step is 2-4 times B's there; GPU time at N 28672, nvfp4 / mxfp4: M 64 144 -> 111 and
 # 137 -> 107 us, M 32 93 -> 79 and 89 -> 78, on (64, 2, 8)). At 16 tokens the copy's launch costs
@@ -927,14 +944,14 @@ WGMMA_TMA_X_MIN_TOKENS = 32
 
 
 def _wgmma_fits(b: QuantizedTensor, M: int, K: int) -> bool:
-    return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= MMA_MAX_M and K % WGMMA_STEP_K == 0
+    return (not runtime.INTERPRET and WGMMA_MIN_M <= M <= WGMMA_MAX_M and K % WGMMA_STEP_K == 0
             and b.data.data_ptr() % 16 == 0 and runtime.capability(b.data.device.index or 0) == (9, 0))
 
 
 def _wgmma_shape(fmt: str, tokens: int, N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, programs an SM that split-K aims at) of _wgmma_kernel."""
     if fmt == "mxfp8":
-        return WGMMA_E4M3_SHAPE
+        return WGMMA_E4M3_SHAPES[tokens]
     if tokens == 16 and N * K < WGMMA_MIN_WEIGHT:
         return WGMMA_SMALL_WEIGHT_SHAPE
     return WGMMA_SHAPES[tokens]
@@ -957,7 +974,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     replayed. The plan holds B's TMA descriptor and, from WGMMA_TMA_X_MIN_TOKENS, a buffer for
     the permuted copy of x with its own descriptor: a call writes x there by one index_select
     (this path's time is near its host time; torch's permuted copy cost 30-40 us more of it)."""
-    tokens = max(16, runtime.next_power_of_2(M))
+    tokens = min(WGMMA_MAX_TOKENS, max(16, runtime.next_power_of_2(M)))
     if x.stride(1) != 1 and tokens < WGMMA_TMA_X_MIN_TOKENS:
         x = x.contiguous()
     b_scales = b.scales.view(torch.uint8)
@@ -969,10 +986,11 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     plan = _wgmma_plans.get(key)
     if plan is None:
         block_n, stages, per_sm = _wgmma_shape(b.fmt, tokens, N, K)
-        if block_n > 64 and runtime.cdiv(N, block_n) < runtime.num_sms(c.device.index or 0):
-            block_n = 64
+        token_tiles = runtime.cdiv(M, tokens)
+        while block_n > 64 and runtime.cdiv(N, block_n) * token_tiles < runtime.num_sms(c.device.index or 0):
+            block_n //= 2
         tiles = runtime.cdiv(N, block_n)
-        split, k_per_split = _split_k(tiles, K, WGMMA_STEP_K, c.device, per_sm)
+        split, k_per_split = _split_k(tiles * token_tiles, K, WGMMA_STEP_K, c.device, per_sm)
         words = b.data.view(torch.int32)
         step_words = words.shape[1] * WGMMA_STEP_K // K
         b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, step_words],
@@ -986,13 +1004,14 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
                                       gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
         constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
                           X_BY_TMA=x_by_tma, num_warps=block_n // 16)
-        plan = [(tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns, x_desc]
+        plan = [(token_tiles, tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns,
+                x_desc]
         _wgmma_plans.put(key, plan)
     grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_desc = plan
     if x_desc is not None:
         # detach: torch refuses out= for an input that requires grad (scaled_matmul has no backward).
         torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
-    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0])
+    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
             steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
     _launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
@@ -1107,7 +1126,7 @@ def _bench_cases() -> list[BenchCase]:
     bf16 = torch.bfloat16
     cases = []
     grid = [(1, 64, 256, True)] if runtime.INTERPRET else \
-        [(M, N, K, M == 16 and N == 8192) for M in (1, 16, 64) for N, K in ((8192, 8192), (28672, 8192))]
+        [(M, N, K, M == 16 and N == 8192) for M in (1, 16, 64, 256) for N, K in ((8192, 8192), (28672, 8192))]
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for M, N, K, quick in grid:
             def setup_weight_only(M=M, N=N, K=K, fmt=fmt):
