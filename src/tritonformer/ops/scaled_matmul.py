@@ -488,7 +488,6 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BLOCK_N // 16, 1],
                                                   instr_shape=[16, TOKENS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT, WORDS)
     scales_layout: gl.constexpr = _wgmma_scales_layout(BLOCK_N, BLOCKS)
     if X_BY_TMA:
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TOKENS, 128], x.layout)
@@ -518,22 +517,9 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     next_scales = gl.load(scale_ptrs, mask=scale_mask, other=0)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
     for i in range(steps):
-        raw = next_scales.to(gl.int32)
+        raw = next_scales
         scale_ptrs += BLOCKS
         next_scales = gl.load(scale_ptrs, mask=scale_mask & (i + 1 < steps), other=0)
-        # Multipliers as _lane_scale_pairs makes them: e4m3 s as s 2^118, e8m0 as it is.
-        if B_FMT == "nvfp4":
-            bits = raw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * 2.0 ** 118
-            bits = (bits.to(gl.int32, bitcast=True) >> 16) & 0xFFFF
-        else:
-            bits = gl.where(raw == 0, 0x40, gl.where(raw == 255, 0x7FC0, raw << 7))
-        multipliers = bits | (bits << 16)
-        multipliers = gl.join(multipliers, multipliers)
-        if WPT >= 4:
-            multipliers = gl.join(multipliers, multipliers)
-        if WPT == 8:
-            multipliers = gl.join(multipliers, multipliers)
-        multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, WORDS]), words_layout)
         stage = i % STAGES
         if X_BY_TMA:
             x_buffer = x_smem.index(stage)
@@ -553,23 +539,7 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
             fence_async_shared()
             gl.thread_barrier()
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        words = b_smem.index(stage).load(words_layout)
-        if B_FMT == "mxfp8":
-            e = gl.inline_asm_elementwise(_E4M3_HALVES_PTX, "=h,=h,=h,=h,r,r", [words, multipliers],
-                                          dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1)
-            # Element 2 p + h of word (t, c) goes to k 16 c + 8 p + 2 t + h (an outer join's index is last).
-            joined = gl.join(gl.join(e[0], e[2]), gl.join(e[1], e[3]))
-            joined = gl.permute(gl.reshape(joined, [BLOCK_N, 4, 8, 2, 2]), (0, 2, 3, 1, 4))
-        else:
-            asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
-            e = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, multipliers],
-                                          dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-            # Element 4 h + 2 p1 + p0 of word (j, t, u) goes to k 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h.
-            joined = gl.join(gl.join(gl.join(e[0], e[4]), gl.join(e[1], e[5])),
-                             gl.join(gl.join(e[2], e[6]), gl.join(e[3], e[7])))
-            joined = gl.permute(gl.reshape(joined, [BLOCK_N, 16 // (4 * WPT), 4, WPT, 2, 2, 2]),
-                                (0, 1, 3, 6, 5, 2, 4))
-        a = gl.convert_layout(gl.reshape(joined, [BLOCK_N, 128]), a_layout)
+        a = _wgmma_decoded_step(b_smem.index(stage), raw, B_FMT, BLOCK_N, a_layout)
         acc = warpgroup_mma(a, x_buffer.permute((1, 0)), acc, is_async=True)
         # Waiting here keeps a's registers (read by the asynchronous wgmma) alive until it is done.
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
@@ -609,6 +579,46 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
             acc = acc + gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
         gl.store(c_ptr + tokens.to(gl.int64)[None, :] * stride_cm + rows[:, None], acc.to(c_ptr.dtype.element_ty),
                  mask=mask)
+
+
+@gluon.jit
+def _wgmma_decoded_step(words_smem, raw_scales, B_FMT: gl.constexpr, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
+    """A step's (BLOCK_N, 128) bf16 register operand of B: its words from shared memory
+    (_wgmma_words_layout), decoded with the block scales' multiply (raw_scales: the step's
+    (BLOCK_N, BLOCKS) scale bytes in _wgmma_scales_layout) and joined into a_layout."""
+    WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
+    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
+    words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT, WORDS)
+    raw = raw_scales.to(gl.int32)
+    # Multipliers as _lane_scale_pairs makes them: e4m3 s as s 2^118, e8m0 as it is.
+    if B_FMT == "nvfp4":
+        bits = raw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * 2.0 ** 118
+        bits = (bits.to(gl.int32, bitcast=True) >> 16) & 0xFFFF
+    else:
+        bits = gl.where(raw == 0, 0x40, gl.where(raw == 255, 0x7FC0, raw << 7))
+    multipliers = bits | (bits << 16)
+    multipliers = gl.join(multipliers, multipliers)
+    if WPT >= 4:
+        multipliers = gl.join(multipliers, multipliers)
+    if WPT == 8:
+        multipliers = gl.join(multipliers, multipliers)
+    multipliers = gl.convert_layout(gl.reshape(multipliers, [BLOCK_N, WORDS]), words_layout)
+    words = words_smem.load(words_layout)
+    if B_FMT == "mxfp8":
+        e = gl.inline_asm_elementwise(_E4M3_HALVES_PTX, "=h,=h,=h,=h,r,r", [words, multipliers],
+                                      dtype=(gl.bfloat16,) * 4, is_pure=True, pack=1)
+        # Element 2 p + h of word (t, c) goes to k 16 c + 8 p + 2 t + h (an outer join's index is last).
+        joined = gl.join(gl.join(e[0], e[2]), gl.join(e[1], e[3]))
+        joined = gl.permute(gl.reshape(joined, [BLOCK_N, 4, 8, 2, 2]), (0, 2, 3, 1, 4))
+    else:
+        asm: gl.constexpr = _E2M1_HALVES_PTX if B_FMT == "nvfp4" else _E2M1_HALVES_TIMES_2_126_PTX
+        e = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, multipliers],
+                                      dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # Element 4 h + 2 p1 + p0 of word (j, t, u) goes to k 32 WPT j + 32 u + 16 p1 + 8 p0 + 2 t + h.
+        joined = gl.join(gl.join(gl.join(e[0], e[4]), gl.join(e[1], e[5])),
+                         gl.join(gl.join(e[2], e[6]), gl.join(e[3], e[7])))
+        joined = gl.permute(gl.reshape(joined, [BLOCK_N, 16 // (4 * WPT), 4, WPT, 2, 2, 2]), (0, 1, 3, 6, 5, 2, 4))
+    return gl.convert_layout(gl.reshape(joined, [BLOCK_N, 128]), a_layout)
 
 
 @gluon.jit
