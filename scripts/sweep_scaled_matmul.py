@@ -93,10 +93,16 @@ def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name
         setattr(sm, shapes_name, as_setting(shape))
         rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
     setattr(sm, shapes_name, original_shapes)
-    best = min(rows, key=lambda r: r[1])
-    print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | without it "
-          f"{tensor_cores[0]:6.1f}/{tensor_cores[1]:6.1f} | best {kernel} {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us "
-          f"= {peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch (bench/graph), "
+    _print_rows(label, peer, tensor_cores, rows, kernel, by_graph=True)
+
+
+def _print_rows(label, peer, baseline, rows, kernel, by_graph):
+    """One line for the best of rows (do_bench us, CUDA-graph us, error, shape) against torch and
+    the baseline (the path taken without the swept kernel), then every row."""
+    best = min(rows, key=lambda r: r[1] if by_graph else r[0])
+    print(f"{label:26s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | without it {baseline[0]:6.1f}/"
+          f"{baseline[1]:6.1f} | best {kernel} {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us = {peer[0] / best[0]:4.2f}x/"
+          f"{peer[1] / best[1]:4.2f}x torch, {baseline[0] / best[0]:4.2f}x without it (bench/graph), "
           f"err {max(r[2] for r in rows):.1e}", flush=True)
     print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
 
@@ -179,12 +185,7 @@ def sweep_wgmma_tiles(only):
                     rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), (tokens, *shape)))
                 sm.WGMMA_MAX_TOKENS, sm.WGMMA_SHAPES, sm.WGMMA_E4M3_SHAPES = original_wgmma_tiles
                 sm.WGMMA_MIN_M, sm.WGMMA_MAX_M = original_wgmma_rows
-                best = min(rows, key=lambda r: r[0])
-                print(f"{label:24s} torch bf16 {peer[0]:6.1f}/{peer[1]:6.1f} us | without tiles {routed[0]:6.1f}/"
-                      f"{routed[1]:6.1f} | best {best[3]} {best[0]:6.1f}/{best[1]:6.1f} us = "
-                      f"{peer[0] / best[0]:4.2f}x/{peer[1] / best[1]:4.2f}x torch, {routed[0] / best[0]:4.2f}x "
-                      f"without (bench/graph), err {max(r[2] for r in rows):.1e}", flush=True)
-                print("    " + " ".join(f"{s}:{t:.1f}/{g:.1f}" for t, g, _, s in rows), flush=True)
+                _print_rows(label, peer, routed, rows, "tiles", by_graph=False)
 
 
 original = sm._launch_shape
