@@ -40,9 +40,8 @@ def _ws_partition(x_desc, b_desc, b_scale_ptr, c_ptr, tensor_scale_ptr, M, N, K,
                   TOKENS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                   TENSOR_SCALE: gl.constexpr, STAGGER: gl.constexpr):
     B_FMT: gl.constexpr = "nvfp4" if FMT_CODE == 0 else ("mxfp4" if FMT_CODE == 1 else "mxfp8")
-    WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
-    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
-    BLOCKS: gl.constexpr = WORDS // WPT
+    WORDS: gl.constexpr = sm._wgmma_step_words(B_FMT)
+    BLOCKS: gl.constexpr = WORDS // sm._wgmma_words_per_thread(B_FMT)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     m0 = pid_m * TOKENS
@@ -189,7 +188,7 @@ if __name__ == "__main__":
         from triton.experimental.gluon._runtime import GluonASTSource
         for fmt, tokens, stages, consumers, regs in (("nvfp4", 64, 4, 2, 152), ("mxfp8", 64, 4, 2, 152),
                                                      ("nvfp4", 128, 3, 2, 232), ("mxfp8", 128, 2, 2, 232)):
-            words = 32 if fmt == "mxfp8" else 16
+            words = sm._wgmma_step_words(fmt)
             lb = gl.NVMMASharedLayout.get_default_for([64, words], gl.int32)
             lx = gl.NVMMASharedLayout.get_default_for([tokens, 128], gl.bfloat16)
             sig = {"x_desc": f"tensordesc<bf16[{tokens}, 128],{lx!r}>", "b_desc": f"tensordesc<i32[64, {words}],{lb!r}>",

@@ -27,12 +27,12 @@ ways, by M:
   bf16) and multiplied by the scale a pair. On Hopper it also takes bf16 activations up to
   WGMMA_MAX_M rows (prefill, large decode batches) in tiles of 128 tokens a program.
 - few rows otherwise (M < DEQUANTIZE_FIRST_MIN_M: both operands quantized, bf16 activations
-  where the wgmma kernel does not run): one kernel whose programs dequantize their tiles in registers. The weights move 1
-  byte (fp8) or half a byte (fp4) per element plus the scales, which is the speed-up where a bf16
-  matmul is bound by reading the weight; a grid of few output tiles splits K so that every SM
-  streams the weight.
-- many rows (from 512, bf16 activations on Hopper from 1024): dequantize into bf16 buffers (A whole, B in slabs of at most 64 MiB),
-  then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
+  where the wgmma kernel does not run): one kernel whose programs dequantize their tiles in
+  registers. The weights move 1 byte (fp8) or half a byte (fp4) per element plus the scales,
+  which is the speed-up where a bf16 matmul is bound by reading the weight; a grid of few output
+  tiles splits K so that every SM streams the weight.
+- many rows (from 512; bf16 activations on Hopper from 1024): dequantize into bf16 buffers (A
+  whole, B in slabs of at most 64 MiB), then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
   5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against torch bf16's 652-672 in the same runs).
   Decoding in registers there costs each tile of B once per tile of M on the CUDA cores (207-262
   TFLOP/s at 8192^3), and e4m3 tensor-core products per 32-wide scale block, the partial sums
@@ -427,6 +427,18 @@ _E4M3_HALVES_PTX = gl.constexpr(quant.E4M3_WORD_TIMES_HALVES_PTX)
 
 
 @gluon.constexpr_function
+def _wgmma_step_words(B_FMT):
+    """int32 words of B a row a step of WGMMA_STEP_K: eight e2m1 codes a word, or four e4m3."""
+    return 32 if B_FMT == "mxfp8" else 16
+
+
+@gluon.constexpr_function
+def _wgmma_words_per_thread(B_FMT):
+    """The consecutive words of a row a thread decodes (WPT): one scale block's."""
+    return FORMATS[B_FMT][0] // (4 if B_FMT == "mxfp8" else 8)
+
+
+@gluon.constexpr_function
 def _wgmma_words_layout(BLOCK_N, WPT, WORDS):
     """Where B's (BLOCK_N, WORDS) words of a step live: the wgmma A operand's layout (register A,
     bf16: lanes hold k 2t, 2t + 1 (t = lane % 4) and + 8 of each k16 of rows lane // 4 and + 8,
@@ -464,18 +476,16 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
     memory, a warpgroup per 64 rows of B (they share x's tile). The grid's first axis takes x's
     tiles of TOKENS rows, so that the programs of one tile of B run together and B comes from DRAM
-    once. B's words come by TMA, STAGES
-    steps ahead; a thread reads its words (_wgmma_words_layout), decodes them with the block
-    scale's multiply (fp4: the PTX of _mma_kernel's decode, element by element; e4m3: the
-    hardware's conversions) and joins the elements into the operand's layout without moving
-    data between threads. x's K must be permuted as the decode leaves B's (_wgmma_x_columns).
+    once. B's words come by TMA, STAGES steps ahead; a thread reads its words
+    (_wgmma_words_layout), decodes them with the block scale's multiply (fp4: the PTX of
+    _mma_kernel's decode, element by element; e4m3: the hardware's conversions) and joins the
+    elements into the operand's layout without moving data between threads (_wgmma_decoded_step). x's K must be permuted as the decode leaves B's (_wgmma_x_columns).
     X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its tiles come with B's
     words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded a step ahead into
     registers and permuted on their way into shared memory (a relabelling of the registers: the
     stores put each element in place). The scales are loaded a step ahead into registers."""
-    # Words of B a row a step, and a scale block's words (a thread's consecutive words).
-    WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
-    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
+    WORDS: gl.constexpr = _wgmma_step_words(B_FMT)
+    WPT: gl.constexpr = _wgmma_words_per_thread(B_FMT)
     BLOCKS: gl.constexpr = WORDS // WPT
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -586,8 +596,8 @@ def _wgmma_decoded_step(words_smem, raw_scales, B_FMT: gl.constexpr, BLOCK_N: gl
     """A step's (BLOCK_N, 128) bf16 register operand of B: its words from shared memory
     (_wgmma_words_layout), decoded with the block scales' multiply (raw_scales: the step's
     (BLOCK_N, BLOCKS) scale bytes in _wgmma_scales_layout) and joined into a_layout."""
-    WORDS: gl.constexpr = 32 if B_FMT == "mxfp8" else 16
-    WPT: gl.constexpr = 2 if B_FMT == "nvfp4" else WORDS // 4
+    WORDS: gl.constexpr = _wgmma_step_words(B_FMT)
+    WPT: gl.constexpr = _wgmma_words_per_thread(B_FMT)
     words_layout: gl.constexpr = _wgmma_words_layout(BLOCK_N, WPT, WORDS)
     raw = raw_scales.to(gl.int32)
     # Multipliers as _lane_scale_pairs makes them: e4m3 s as s 2^118, e8m0 as it is.
@@ -975,7 +985,7 @@ def _wgmma_x_columns(K: int, fmt: str, device: torch.device) -> torch.Tensor:
     steps = torch.arange(K, device=device).view(K // WGMMA_STEP_K, WGMMA_STEP_K)
     if fmt == "mxfp8":
         return steps.view(-1, 4, 8, 2, 2).permute(0, 2, 3, 1, 4).flatten()
-    wpt = FORMATS[fmt][0] // 8
+    wpt = _wgmma_words_per_thread(fmt)
     return steps.view(-1, WGMMA_STEP_K // (32 * wpt), 4, wpt, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).flatten()
 
 
@@ -1002,7 +1012,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         tiles = runtime.cdiv(N, block_n)
         split, k_per_split = _split_k(tiles * token_tiles, K, WGMMA_STEP_K, c.device, per_sm)
         words = b.data.view(torch.int32)
-        step_words = words.shape[1] * WGMMA_STEP_K // K
+        step_words = _wgmma_step_words(b.fmt)
         b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, step_words],
                                   gl.NVMMASharedLayout.get_default_for([block_n, step_words], gl.int32))
         x_by_tma = tokens >= WGMMA_TMA_X_MIN_TOKENS
