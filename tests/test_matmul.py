@@ -218,6 +218,41 @@ def test_sizes_in_one_power_of_two_bucket_share_one_tuning(device):
     assert len(set(chosen) - before) == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the split-inside kernel is Gluon, Hopper only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["a b", "a^T b", "a b^T", "a^T b^T"])
+def test_split_inside_kernel_takes_few_tiles(layout, dtype, device, monkeypatch):
+    """A product of too few 64 x 64 tiles to fill the SMs, which split-K would cover, runs on
+    _split_inside_kernel (K in two halves on two warpgroups of a program): each operand row- or
+    column-major (read in place: M and K are multiples of 8), an M that is not a multiple of the
+    tile, bias, GELU with its pre-activation saved for the gradients, then replayed on new data."""
+    planned = []
+    launch = matmul_op._launch_split_inside
+    monkeypatch.setattr(matmul_op, "_launch_split_inside", lambda *args: planned.append(args[9:12]) or launch(*args))
+    matmul_op._replays.clear()
+    M, N, K = 120, 4000, 1536
+    for call in range(2):
+        a = torch.randn(M, K, device=device, dtype=dtype) if layout.startswith("a b") else \
+            torch.randn(K, M, device=device, dtype=dtype).mT
+        b = torch.randn(K, N, device=device, dtype=dtype) if layout.endswith(" b") else \
+            torch.randn(N, K, device=device, dtype=dtype).mT
+        a.requires_grad_()
+        bias = torch.randn(N, device=device, dtype=dtype, requires_grad=True)
+        out = tf.matmul(a, b, bias, "gelu")
+        ad, bd, biasd = (t.detach().double().requires_grad_(True) for t in (a, b, bias))
+        ref = matmul_op.matmul_reference(ad, bd, biasd, "gelu")
+        assert_close(out, ref, dtype, "norm")
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (a, bias), dout)
+        for g, r in zip(grads, torch.autograd.grad(ref, (ad, biasd), dout.double())):
+            assert_close(g, r, dtype, "norm")
+        plain = tf.matmul(a.detach(), b)
+        assert_close(plain, ad.detach() @ bd.detach(), dtype, "norm")
+    assert planned == [(M, N, K)] * 2  # planned once with the pre-activation, once without; then replayed
+    matmul_op._replays.clear()
+
+
 @pytest.mark.parametrize("split_k", [2, 5])
 def test_split_k_last_arrival_sums_in_order_and_resets_its_counters(split_k, device, monkeypatch):
     """Split-K over several tiles: the last split of each tile adds the partials. The sum runs in

@@ -539,10 +539,11 @@ class _TuningRecord:
                        binary=False)
 
 
-def rebased(desc: TensorDescriptor, base: torch.Tensor) -> TensorDescriptor:
+def rebased(desc: TensorDescriptor | GluonTensorDescriptor,
+            base: torch.Tensor) -> TensorDescriptor | GluonTensorDescriptor:
     """desc over another tensor of the same dtype, shape, strides and alignment (a replay's key
     fixes them all), without running the constructor's checks again (a few us a call)."""
-    out = object.__new__(TensorDescriptor)
+    out = object.__new__(type(desc))  # Triton's descriptor or Gluon's
     out.__dict__.update(desc.__dict__, base=base)
     return out
 
