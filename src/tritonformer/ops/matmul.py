@@ -5,18 +5,19 @@ Operands are float32, float16, bfloat16 or float8_e4m3fn (then with per-tensor o
 float32 scales); accumulation is float32. A float32 product uses tf32 tensor cores exactly when
 torch does (`torch.backends.cuda.matmul.allow_tf32`), and exact fp32 otherwise.
 
-One persistent kernel does all shapes: tiles in grouped order (GROUP_M rows of tiles share the
-columns of b in L2), operands read through tensor descriptors (TMA on Hopper), transposed
-operands read in place. Split-K takes over when the output has too few tiles to fill the GPU
-(small M): partial sums go to a float32 workspace, and the last split to finish a tile adds them
-up and applies the epilogue (no second launch). On Hopper, 16-bit products of that kind whose
-64 x 64 tiles fill half the SMs or more split K inside a program instead (_split_inside_kernel, in
-Gluon: two warpgroups on the two halves of K, each with its own TMA ring, summed in shared memory). TMA needs 16-byte aligned rows; an operand whose
-rows are not gets copied once into a padded buffer (cheaper than unvectorized loads, see
-docs/perf-notes.md), except in small products (POINTER_LOADS_MAX_WORK), where the copies' launches
-would cost more than the product: there the kernel reads both operands with masked pointer loads,
-as it does in every small product of few rows (POINTER_LOADS_MAX_M), whose time is mostly the
-host's.
+One persistent kernel does all shapes but the few-tile ones below: tiles in grouped order
+(GROUP_M rows of tiles share the columns of b in L2), operands read through tensor descriptors
+(TMA on Hopper), transposed operands read in place. Split-K takes over when the output has too
+few tiles to fill the GPU (small M): partial sums go to a float32 workspace, and the last split
+to finish a tile adds them up and applies the epilogue (no second launch). On Hopper, 16-bit
+products of that kind whose 64 x 64 tiles fill half the SMs or more split K inside a program
+instead (_split_inside_kernel, in Gluon: two warpgroups on the two halves of K, each with its
+own TMA ring, summed in shared memory). TMA needs 16-byte aligned rows; an operand whose rows
+are not gets copied once into a padded buffer (cheaper than unvectorized loads, see
+docs/perf-notes.md), except in small products (POINTER_LOADS_MAX_WORK), where the copies'
+launches would cost more than the product: there the kernel reads both operands with masked
+pointer loads, as it does in every small product of few rows (POINTER_LOADS_MAX_M), whose time
+is mostly the host's.
 
 Backward (float operands): dpre = dout * act'(pre), da = dpre @ b^T, db = a^T @ dpre,
 dbias = sum of dpre over rows; both products run on the same kernel, transposes read in place.
@@ -375,6 +376,7 @@ def _k_half(a_desc, b_desc, a_bufs, b_bufs, ready, sums, summed, c_ptr, pre_ptr,
 @gluon.jit
 def _k_step_load(a_desc, b_desc, a_bufs, b_bufs, ready, slot, off_m, off_n, off_k, A_TRANS: gl.constexpr,
                  B_TRANS: gl.constexpr):
+    """TMA loads of one K step's tiles of a and b into a ring slot, counted on its barrier."""
     mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
     if A_TRANS:
         tma.async_copy_global_to_shared(a_desc, [off_k, off_m], ready.index(slot), a_bufs.index(slot))
