@@ -119,7 +119,7 @@ def sweep_softmax():
                         x, y, M, N, N, 1, N, BLOCK_M=block_m, BLOCK_N=N, num_warps=warps)
                     results.append((gbps(f, 2 * x.nbytes), block_m, warps))
             print(f"softmax {dtype} {M}x{N} fwd best", sorted(results, reverse=True)[:4],
-                  "current", softmax._launch_shape(N), flush=True)
+                  "current", softmax._fwd_launch_shape(N), flush=True)
 
 
 SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax}
