@@ -3,11 +3,13 @@ stages) candidate of the in-register kernel, with the op's own split-K, against 
 the same shape; with --paths instead, both ways of the op (in registers, dequantize first) over
 M, which is where DEQUANTIZE_FIRST_MIN_M comes from; with --gemv, the M = 1 kernel's launch
 shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench times and as GPU
-time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES) likewise;
-with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync kernel (the
-in-register kernel for mxfp8); with --wgmma-tiles, its tiles of x (WGMMA_MAX_TOKENS) and their shapes from 128 rows on, against the path each M takes without them.
+time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES)
+likewise; with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync
+kernel (the in-register kernel for mxfp8); with --wgmma-tiles, its tiles of x (WGMMA_MAX_TOKENS)
+and their shapes from 128 rows on, against the path each M takes without them.
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma | --wgmma-tiles] [substring of the case labels]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma | --wgmma-tiles] \
+        [substring of the case labels]
 """
 
 import sys
@@ -151,8 +153,8 @@ def sweep_wgmma(only):
     for M in (64, 32, 16, 8, 4, 2):
         for N in (8192, 28672):
             _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_MIN_M",
-                                 "WGMMA_E4M3_SHAPES", WGMMA_CANDIDATES, lambda shape: dict.fromkeys(sm.WGMMA_E4M3_SHAPES, shape),
-                                 off=1 << 30)
+                                 "WGMMA_E4M3_SHAPES", WGMMA_CANDIDATES,
+                                 lambda shape: dict.fromkeys(sm.WGMMA_E4M3_SHAPES, shape), off=1 << 30)
 
 
 # (tokens a program: WGMMA_MAX_TOKENS, then its shape) from 128 rows on, against the path each M takes without them.

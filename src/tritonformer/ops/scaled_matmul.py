@@ -32,11 +32,12 @@ ways, by M:
   which is the speed-up where a bf16 matmul is bound by reading the weight; a grid of few output
   tiles splits K so that every SM streams the weight.
 - many rows (from 512; bf16 activations on Hopper from 1024): dequantize into bf16 buffers (A
-  whole, B in slabs of at most 64 MiB), then tritonformer's bf16 matmul, which runs at cuBLAS's rate; the dequantize pass costs about
-  5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against torch bf16's 652-672 in the same runs).
-  Decoding in registers there costs each tile of B once per tile of M on the CUDA cores (207-262
-  TFLOP/s at 8192^3), and e4m3 tensor-core products per 32-wide scale block, the partial sums
-  scaled in float32, measured 134 TFLOP/s (see docs/perf-notes.md).
+  whole, B in slabs of at most 64 MiB), then tritonformer's bf16 matmul, which runs at cuBLAS's
+  rate; the dequantize pass costs about 5% at 8192^3 (mxfp8 x mxfp8 678-693 TFLOP/s against
+  torch bf16's 652-672 in the same runs). Decoding in registers there costs each tile of B once
+  per tile of M on the CUDA cores (207-262 TFLOP/s at 8192^3), and e4m3 tensor-core products per
+  32-wide scale block, the partial sums scaled in float32, measured 134 TFLOP/s (see
+  docs/perf-notes.md).
 On sm_100 (Blackwell), with both operands block-scaled (two MX formats, or nvfp4 twice) and
 from DOT_SCALED_MIN_M rows, tl.dot_scaled issues tcgen05's block-scaled MMA: e4m3/e2m1 operands
 and their scales as stored, the scales converted once a tensor to the 5D layout that is copied
@@ -477,17 +478,18 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, X_BY_TMA: gl.constexpr):
     """TOKENS bf16 rows of x times BLOCK_N rows of block-scaled B over one K split, Hopper only
     (Gluon: it does not run under the interpreter, where _mma_kernel does the same product):
-    C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared
-    memory, a warpgroup per 64 rows of B (they share x's tile). The grid's first axis takes x's
-    tiles of TOKENS rows, so that the programs of one tile of B run together and B comes from DRAM
-    once. B's words come by TMA, STAGES steps ahead; a thread reads its words
-    (_wgmma_words_layout), decodes them with the block scale's multiply (fp4: the PTX of
-    _mma_kernel's decode, element by element; e4m3: the hardware's conversions) and joins the
-    elements into the operand's layout without moving data between threads (_wgmma_decoded_step). x's K must be permuted as the decode leaves B's (_wgmma_x_columns).
-    X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its tiles come with B's
-    words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded a step ahead into
-    registers and permuted on their way into shared memory (a relabelling of the registers: the
-    stores put each element in place). The scales are loaded a step ahead into registers."""
+    C^T = B X^T on wgmma with B's decoded codes as the register A operand and x from shared memory,
+    a warpgroup per 64 rows of B (they share x's tile). The grid's first axis takes x's tiles of
+    TOKENS rows, so that the programs of one tile of B run together and B comes from DRAM once. B's
+    words come by TMA, STAGES steps ahead; a thread reads its words (_wgmma_words_layout), decodes
+    them with the block scale's multiply (fp4: the PTX of _mma_kernel's decode, element by element;
+    e4m3: the hardware's conversions) and joins the elements into the operand's layout without
+    moving data between threads (_wgmma_decoded_step). x's K must be permuted as the decode leaves
+    B's (_wgmma_x_columns). X_BY_TMA: x is a TMA descriptor of a copy of x so permuted, and its
+    tiles come with B's words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded a
+    step ahead into registers and permuted on their way into shared memory (a relabelling of the
+    registers: the stores put each element in place). The scales are loaded a step ahead into
+    registers."""
     WORDS: gl.constexpr = _wgmma_step_words(B_FMT)
     WPT: gl.constexpr = _wgmma_words_per_thread(B_FMT)
     BLOCKS: gl.constexpr = WORDS // WPT
