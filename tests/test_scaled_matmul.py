@@ -59,6 +59,18 @@ def test_wgmma_kernel_up_to_16_rows(fmt, large_weight_shape, M, N, K, device, mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("M,N,K", [(17, 130, 1024), (32, 256, 2048)])
+def test_wgmma_kernel_small_weights_at_32_tokens(fmt, M, N, K, device, monkeypatch):
+    # 32 tokens a program (x by TMA) on the small weights' launch shape, which weights past
+    # WGMMA_MID_WEIGHT elements take; here every weight does.
+    monkeypatch.setattr(sm, "WGMMA_MID_WEIGHT", 0)
+    sm._wgmma_plans.clear()
+    _check_every_code_byte(fmt, M, N, K, device)
+    sm._wgmma_plans.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("M,N,K", [(12, 130, 2048), (17, 200, 2048), (64, 256, 1024), (40, 70, 1152)])
 def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
