@@ -58,13 +58,27 @@ def test_wgmma_kernel_up_to_16_rows(fmt, large_weight_shape, M, N, K, device, mo
     sm._wgmma_plans.clear()
 
 
+def test_wgmma_shape_takes_the_small_weights_shape_only_up_to_32_tokens():
+    # Which launch shape each token count takes on fp4 weights around the size thresholds.
+    small = sm.WGMMA_SMALL_WEIGHT_SHAPE
+    for fmt in ("nvfp4", "mxfp4"):
+        assert sm._wgmma_shape(fmt, 16, 4096, 4096) == small
+        assert sm._wgmma_shape(fmt, 32, 4096, 4096) == sm.WGMMA_SHAPES[32]
+        assert sm._wgmma_shape(fmt, 32, 8192, 8192) == small
+        for tokens in (64, 128):
+            assert sm._wgmma_shape(fmt, tokens, 8192, 8192) == sm.WGMMA_SHAPES[tokens]
+        for tokens in (16, 32, 64, 128):
+            assert sm._wgmma_shape(fmt, tokens, 28672, 8192) == sm.WGMMA_SHAPES[tokens]
+    assert sm._wgmma_shape("mxfp8", 32, 8192, 8192) == sm.WGMMA_E4M3_SHAPES[32]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("M,N,K", [(17, 130, 1024), (32, 256, 2048)])
 def test_wgmma_kernel_small_weights_at_32_tokens(fmt, M, N, K, device, monkeypatch):
     # 32 tokens a program (x by TMA) on the small weights' launch shape, which weights past
-    # WGMMA_MID_WEIGHT elements take; here every weight does.
-    monkeypatch.setattr(sm, "WGMMA_MID_WEIGHT", 0)
+    # WGMMA_SMALL_WEIGHT_FROM[32] elements take; here every weight does.
+    monkeypatch.setitem(sm.WGMMA_SMALL_WEIGHT_FROM, 32, 0)
     sm._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
     sm._wgmma_plans.clear()

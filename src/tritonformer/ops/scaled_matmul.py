@@ -957,10 +957,11 @@ WGMMA_MAX_TOKENS = 128
 WGMMA_SHAPES = {16: (64, 3, 8), 32: (64, 2, 8), 64: (128, 4, 1), 128: (64, 3, 1)}
 WGMMA_MIN_WEIGHT = 2**27
 WGMMA_SMALL_WEIGHT_SHAPE = (64, 3, 4)
-# At 32 tokens the small weights' shape holds past this many elements: bench time at 17-32 rows,
-# K 8192 N 8192 40-42 against 46-82 us on (64, 2, 8), N 14336 K 4096 39-45 against 42-54, N
-# 4096 K 14336 37-49 against 44-49; at 4096^2 (64, 2, 8) keeps 25 against 28 us (nvfp4).
-WGMMA_MID_WEIGHT = 2**24
+# Weights past these elements (by tokens a program) and under WGMMA_MIN_WEIGHT take that shape.
+# At 32 tokens, bench time at 17-32 rows: K 8192 N 8192 40-42 against 46-82 us on (64, 2, 8), N
+# 14336 K 4096 39-45 against 42-54, N 4096 K 14336 37-49 against 44-49; at 4096^2 (64, 2, 8)
+# keeps 25 against 28 us (nvfp4).
+WGMMA_SMALL_WEIGHT_FROM = {16: 0, 32: 2**24}
 # mxfp8 weights (no mma.sync kernel: the in-register one took them, H100, K 8192, GPU time: N
 # 28672 93-108 against 105-166 us, N 8192 28-43 against 37-62) take one shape up to 64 tokens,
 # best or within 8% of the best of 12 (64-row tiles at N 8192), and the best of 8 at 128 tokens
@@ -982,7 +983,7 @@ def _wgmma_shape(fmt: str, tokens: int, N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, programs an SM that split-K aims at) of _wgmma_kernel."""
     if fmt == "mxfp8":
         return WGMMA_E4M3_SHAPES[tokens]
-    if N * K < WGMMA_MIN_WEIGHT and (tokens == 16 or N * K > WGMMA_MID_WEIGHT):
+    if WGMMA_SMALL_WEIGHT_FROM.get(tokens, WGMMA_MIN_WEIGHT) < N * K < WGMMA_MIN_WEIGHT:
         return WGMMA_SMALL_WEIGHT_SHAPE
     return WGMMA_SHAPES[tokens]
 
