@@ -630,14 +630,8 @@ def _launch_split_inside(a, a_strides, a_trans, b, b_strides, b_trans, c, c_stri
     element = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
 
     def descriptor(t, rows, cols, strides, trans, block_rows, block_cols):
-        # A transposed operand is the row-major (cols, rows) matrix, permuted in shared memory.
-        if trans:
-            rows, cols, block_rows, block_cols, row_stride = cols, rows, block_cols, block_rows, strides[2]
-        else:
-            row_stride = strides[1]
-        block = [block_rows, block_cols]
-        return GluonDescriptor(t, [rows, cols], [row_stride, 1], block,
-                               gl.NVMMASharedLayout.get_default_for(block, element))
+        shape, row_major_strides, block = _row_major(rows, cols, strides[1], strides[2], trans, block_rows, block_cols)
+        return GluonDescriptor(t, shape, row_major_strides, block, gl.NVMMASharedLayout.get_default_for(block, element))
 
     a_desc = descriptor(a, M, K, a_strides, a_trans, bm, bk)
     b_desc = descriptor(b, K, N, b_strides, b_trans, bk, bn)
@@ -663,14 +657,20 @@ def _launch_split_inside(a, a_strides, a_trans, b, b_strides, b_trans, c, c_stri
 
 def _host_descriptor(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], trans: bool,
                      block_rows: int, block_cols: int) -> TensorDescriptor:
-    """A descriptor of (batch, rows, cols) matrices in (1, block_rows, block_cols) boxes, over the
-    transposed (batch, cols, rows) layout when `trans` (column-major matrices: TMA wants the last
-    stride to be 1)."""
-    batch, rows, cols = shape
-    stride_b, stride_r, stride_c = strides
+    """A descriptor of (batch, rows, cols) matrices in (1, block_rows, block_cols) boxes (_row_major)."""
+    matrix, matrix_strides, block = _row_major(shape[1], shape[2], strides[1], strides[2], trans, block_rows,
+                                               block_cols)
+    return TensorDescriptor(t, [shape[0], *matrix], [strides[0], *matrix_strides], [1, *block])
+
+
+def _row_major(rows: int, cols: int, stride_r: int, stride_c: int, trans: bool, block_rows: int,
+               block_cols: int) -> tuple[list[int], list[int], list[int]]:
+    """(shape, strides, box) of a (rows, cols) matrix as TMA reads it: over the transposed (cols,
+    rows) layout when `trans` (a column-major matrix: TMA wants the last stride to be 1; the kernel
+    permutes the tile in shared memory)."""
     if trans:
-        return TensorDescriptor(t, [batch, cols, rows], [stride_b, stride_c, stride_r], [1, block_cols, block_rows])
-    return TensorDescriptor(t, [batch, rows, cols], [stride_b, stride_r, stride_c], [1, block_rows, block_cols])
+        return [cols, rows], [stride_c, stride_r], [block_cols, block_rows]
+    return [rows, cols], [stride_r, stride_c], [block_rows, block_cols]
 
 
 def _output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
