@@ -270,6 +270,19 @@ def test_blocked_layout_round_trip_and_index_map(device):
     assert (padded[rows:] == 0).all() and (padded[:, cols:] == 0).all()
 
 
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_scales_by_step_index_map_and_cache(fmt, device):
+    q = quant.quantize(torch.randn(5, 512, device=device), fmt, axis=1)
+    by_step = q.scales_by_step(128)
+    per_step = 128 // q.block
+    assert by_step.shape == (4, 5, per_step) and by_step.is_contiguous() and by_step.dtype == q.scales.dtype
+    raw, scales = by_step.view(torch.uint8), q.scales.view(torch.uint8)
+    for step, row, j in ((0, 0, 0), (3, 4, per_step - 1), (2, 1, per_step // 2), (1, 3, 1)):
+        assert raw[step, row, j] == scales[row, step * per_step + j]
+    assert q.scales_by_step(128) is by_step
+    assert torch.equal(q.scales_by_step(256).view(torch.uint8)[1, 2], scales[2, 2 * per_step:4 * per_step])
+
+
 @pytest.mark.parametrize("bad,error,match", [
     (lambda d: quant.quantize(torch.randn(4, 40, device=d), "mxfp8"), ValueError, "not a multiple of 32"),
     (lambda d: quant.quantize(torch.randn(4, 24, device=d), "nvfp4"), ValueError, "not a multiple of 16"),

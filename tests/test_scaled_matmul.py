@@ -293,6 +293,22 @@ def test_quantized_linear_from_linear(fmt, device):
     assert torch.equal(fresh(x), out)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_quantized_linear_keeps_its_weight_until_a_buffer_changes(fmt, device):
+    # The weight (and the scales' copies that kernels cache on it) lives across calls; a
+    # load_state_dict into a layer already used, which copies in place, must not run the old one.
+    import tritonformer.nn as tnn
+
+    layer, other = (tnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 40).to(device), fmt) for _ in range(2))
+    x = torch.randn(6, 256, device=device).to(torch.bfloat16)
+    weight = layer.weight
+    assert layer.weight is weight
+    layer(x)
+    layer.load_state_dict(other.state_dict())
+    assert layer.weight is not weight
+    assert torch.equal(layer(x), other(x))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_quantized_linear_survives_a_dtype_cast(fmt, device):
     import tritonformer.nn as tnn

@@ -168,9 +168,20 @@ class QuantizedLinear(torch.nn.Module):
 
     @property
     def weight(self) -> quant.QuantizedTensor:
-        tensor_scale = None if self.weight_tensor_scale is None else self.weight_tensor_scale.view(torch.float32)
-        return quant.QuantizedTensor(self.weight_data.view(self._data_dtype), self.weight_scales.view(self._scale_dtype),
-                                     self.fmt, torch.Size((self.out_features, self.in_features)), 1, tensor_scale)
+        """The weight as a QuantizedTensor, kept between calls while its buffers are the same
+        tensors, unmodified: the copies of the scales that kernels make from it (scales_by_step,
+        blocked_scales) are then made once, not in every forward. A move, a load_state_dict or any
+        in-place change of a buffer makes a new one."""
+        buffers = (self.weight_data, self.weight_scales, self.weight_tensor_scale)
+        key = tuple(None if t is None else (t.data_ptr(), t.device, t._version) for t in buffers)
+        cached = self.__dict__.get("_weight")
+        if cached is None or cached[0] != key:
+            tensor_scale = None if self.weight_tensor_scale is None else self.weight_tensor_scale.view(torch.float32)
+            weight = quant.QuantizedTensor(self.weight_data.view(self._data_dtype),
+                                           self.weight_scales.view(self._scale_dtype), self.fmt,
+                                           torch.Size((self.out_features, self.in_features)), 1, tensor_scale)
+            self.__dict__["_weight"] = cached = key, weight
+        return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = scaled_matmul(x.reshape(-1, self.in_features), self.weight, out_dtype=x.dtype, bias=self.bias)

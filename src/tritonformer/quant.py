@@ -78,6 +78,7 @@ class QuantizedTensor:
     axis: int  # the quantized axis of `shape`, non-negative
     tensor_scale: torch.Tensor | None = None  # nvfp4's float32 scalar
     _blocked_scales: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _scales_by_step: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def blocked_scales(self) -> torch.Tensor:
         """`scales` in the 5D layout (to_blocked) that sm_100's block-scaled MMA reads, made on
@@ -85,6 +86,18 @@ class QuantizedTensor:
         if self._blocked_scales is None:
             self._blocked_scales = to_blocked(self.scales)
         return self._blocked_scales
+
+    def scales_by_step(self, step: int) -> torch.Tensor:
+        """`scales` (rows, K // block) regrouped by steps of `step` elements of K (a multiple of the
+        block that divides K): (K // step, rows, step // block), contiguous, so that the scales of
+        one step of consecutive rows are consecutive bytes (Hopper's weight-only wgmma kernel reads
+        them so). Made on the first call and kept, like blocked_scales."""
+        if self._scales_by_step is None or self._scales_by_step[0] != step:
+            rows, blocks = self.scales.shape
+            per_step = step // self.block
+            by_step = self.scales.reshape(rows, blocks // per_step, per_step).transpose(0, 1).contiguous()
+            self._scales_by_step = step, by_step
+        return self._scales_by_step[1]
 
     @property
     def block(self) -> int:

@@ -473,7 +473,7 @@ def _row_warps(BLOCK_N):
 
 @gluon.jit
 def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, tensor_scale_ptr,
-                  M, N, K, steps_per_split, stride_xm, stride_bs, stride_cm,
+                  M, N, K, steps_per_split, stride_xm, stride_bs, stride_bstep, stride_cm,
                   B_FMT: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, TENSOR_SCALE: gl.constexpr,
                   BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, X_BY_TMA: gl.constexpr):
     """TOKENS bf16 rows of x times BLOCK_N rows of block-scaled B over one K split, Hopper only
@@ -489,7 +489,9 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
     tiles come with B's words. Otherwise x is a pointer to x (K contiguous): its tiles are loaded a
     step ahead into registers and permuted on their way into shared memory (a relabelling of the
     registers: the stores put each element in place). The scales are loaded a step ahead into
-    registers."""
+    registers, from the step-major copy that quant.QuantizedTensor.scales_by_step makes (a row's
+    scales of a step stride_bs bytes after the last row's, a step's stride_bstep after the last
+    step's): a warp's bytes of a step are consecutive, whole sectors."""
     WORDS: gl.constexpr = _wgmma_step_words(B_FMT)
     WPT: gl.constexpr = _wgmma_words_per_thread(B_FMT)
     BLOCKS: gl.constexpr = WORDS // WPT
@@ -528,13 +530,14 @@ def _wgmma_kernel(x, b_desc, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr, 
         next_x = gl.load(x_ptrs, mask=x_mask, other=0.0)
     rows_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales_layout))
     blocks = gl.arange(0, BLOCKS, layout=gl.SliceLayout(0, scales_layout))
-    scale_ptrs = b_scale_ptr + rows_s.to(gl.int64)[:, None] * stride_bs + (step_lo * BLOCKS + blocks)[None, :]
+    scale_ptrs = (b_scale_ptr + rows_s.to(gl.int64)[:, None] * stride_bs
+                  + (step_lo.to(gl.int64) * stride_bstep + blocks)[None, :])
     scale_mask = (rows_s < N)[:, None] & (blocks < BLOCKS)[None, :]
     next_scales = gl.load(scale_ptrs, mask=scale_mask, other=0)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, mma)
     for i in range(steps):
         raw = next_scales
-        scale_ptrs += BLOCKS
+        scale_ptrs += stride_bstep
         next_scales = gl.load(scale_ptrs, mask=scale_mask & (i + 1 < steps), other=0)
         stage = i % STAGES
         if X_BY_TMA:
@@ -1008,7 +1011,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
     tokens = min(WGMMA_MAX_TOKENS, max(16, runtime.next_power_of_2(M)))
     if x.stride(1) != 1 and tokens < WGMMA_TMA_X_MIN_TOKENS:
         x = x.contiguous()
-    b_scales = b.scales.view(torch.uint8)
+    b_scales = b.scales_by_step(WGMMA_STEP_K).view(torch.uint8)
     bias_arg = bias if bias is not None else c
     scale_arg = tensor_scale if tensor_scale is not None else c
     key = (M, N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
@@ -1044,7 +1047,7 @@ def _wgmma_rows(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
     ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
-            steps_per_split, x.stride(0), b_scales.stride(0), c.stride(0))
+            steps_per_split, x.stride(0), b_scales.stride(1), b_scales.stride(0), c.stride(0))
     _launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
 
 
