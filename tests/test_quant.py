@@ -2,6 +2,7 @@
 the formats' own properties (round trips, error bounds, special values, the 5D scale layout)."""
 
 import dataclasses
+import gc
 import math
 
 import pytest
@@ -281,6 +282,33 @@ def test_scales_by_step_index_map_and_cache(fmt, device):
         assert raw[step, row, j] == scales[row, step * per_step + j]
     assert q.scales_by_step(128) is by_step
     assert torch.equal(q.scales_by_step(256).view(torch.uint8)[1, 2], scales[2, 2 * per_step:4 * per_step])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_scales_copies_follow_the_scales(fmt, device):
+    # The copies are kept on the tensor; an in-place change of the scales, or new scales, must
+    # make fresh ones, not hand the kernels the old scales.
+    q = quant.quantize(torch.randn(128, 256, device=device), fmt, axis=1)
+    by_step, blocked = q.scales_by_step(128), q.blocked_scales()
+    assert q.scales_by_step(128) is by_step and q.blocked_scales() is blocked
+    q.scales.view(torch.uint8)[3, 5] += 1
+    changed = q.scales.view(torch.uint8)[3, 5]
+    per_step = 128 // q.block
+    assert q.scales_by_step(128).view(torch.uint8)[5 // per_step, 3, 5 % per_step] == changed
+    assert torch.equal(quant.from_blocked(q.blocked_scales(), *q.scales.shape).view(torch.uint8),
+                       q.scales.view(torch.uint8))
+    q.scales = q.scales.clone()
+    q.scales.view(torch.uint8)[0, 0] += 1
+    assert q.scales_by_step(128).view(torch.uint8)[0, 0, 0] == q.scales.view(torch.uint8)[0, 0]
+    # Kept with the scales' memory: another QuantizedTensor over it (a layer's, each call) shares
+    # the copy, a byte view too, and the copies go when the memory does.
+    twin = dataclasses.replace(q, scales=q.scales.view(torch.uint8).view(q.scales.dtype))
+    assert twin.scales_by_step(128) is q.scales_by_step(128)
+    storage = id(q.scales.untyped_storage())
+    assert storage in quant._SCALE_COPIES
+    del q, twin
+    gc.collect()
+    assert storage not in quant._SCALE_COPIES
 
 
 @pytest.mark.parametrize("bad,error,match", [

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import gpu_only
+from helpers import compile_fullgraph
 from tritonformer import quant, runtime
 from tritonformer.ops import scaled_matmul as sm
 from tritonformer.ops.scaled_matmul import scaled_matmul, scaled_matmul_reference
@@ -294,19 +295,35 @@ def test_quantized_linear_from_linear(fmt, device):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_quantized_linear_keeps_its_weight_until_a_buffer_changes(fmt, device):
-    # The weight (and the scales' copies that kernels cache on it) lives across calls; a
-    # load_state_dict into a layer already used, which copies in place, must not run the old one.
+def test_quantized_linear_runs_the_weight_loaded_into_it(fmt, device):
+    # The copies of the scales that kernels make are kept with the layer's buffer across calls; a
+    # load_state_dict into a layer already used, which copies into the same buffers in place,
+    # must not run the old weight.
     import tritonformer.nn as tnn
 
     layer, other = (tnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 40).to(device), fmt) for _ in range(2))
     x = torch.randn(6, 256, device=device).to(torch.bfloat16)
-    weight = layer.weight
-    assert layer.weight is weight
+    assert layer.weight.scales_by_step(128) is layer.weight.scales_by_step(128)
     layer(x)
     layer.load_state_dict(other.state_dict())
-    assert layer.weight is not weight
     assert torch.equal(layer(x), other(x))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_scaled_matmul_under_torch_compile(fmt, device):
+    # One opaque node for torch.compile (no graph break), bf16 or quantized activations, with the
+    # layer's scales copy still made once: it lives with the buffer, not the QuantizedTensor.
+    import tritonformer.nn as tnn
+
+    layer = tnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 40).to(device), fmt)
+    x = torch.randn(2, 3, 256, device=device).to(torch.bfloat16)
+    assert torch.equal(compile_fullgraph(layer)(x), layer(x))
+    if sm._wgmma_fits(layer.weight, 6, 256):
+        assert id(layer.weight_scales.untyped_storage()) in quant._SCALE_COPIES
+    a = quant.quantize(torch.randn(5, 256, device=device), "mxfp8" if fmt != "nvfp4" else fmt, axis=1)
+    w = layer.weight
+    product = compile_fullgraph(lambda a, w: scaled_matmul(a, w, out_dtype=torch.float32))
+    assert torch.equal(product(a, w), scaled_matmul(a, w, out_dtype=torch.float32))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])

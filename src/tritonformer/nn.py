@@ -168,20 +168,27 @@ class QuantizedLinear(torch.nn.Module):
 
     @property
     def weight(self) -> quant.QuantizedTensor:
-        """The weight as a QuantizedTensor, kept between calls while its buffers are the same
-        tensors, unmodified: the copies of the scales that kernels make from it (scales_by_step,
-        blocked_scales) are then made once, not in every forward. A move, a load_state_dict or any
-        in-place change of a buffer makes a new one."""
+        """The weight as a QuantizedTensor over the buffers. The copies of the scales that kernels
+        make from it live with the buffer's memory (QuantizedTensor._scales_copy), so they are made
+        once and an in-place change of the buffer (load_state_dict) is seen. Eager calls keep the
+        QuantizedTensor while the buffers are the same tensors: its views cost host time that a
+        decoding step feels."""
         buffers = (self.weight_data, self.weight_scales, self.weight_tensor_scale)
-        key = tuple(None if t is None else (t.data_ptr(), t.device, t._version) for t in buffers)
-        cached = self.__dict__.get("_weight")
-        if cached is None or cached[0] != key:
-            tensor_scale = None if self.weight_tensor_scale is None else self.weight_tensor_scale.view(torch.float32)
-            weight = quant.QuantizedTensor(self.weight_data.view(self._data_dtype),
-                                           self.weight_scales.view(self._scale_dtype), self.fmt,
-                                           torch.Size((self.out_features, self.in_features)), 1, tensor_scale)
-            self.__dict__["_weight"] = cached = key, weight
-        return cached[1]
+        compiling = torch.compiler.is_compiling()
+        kept = None if compiling else self.__dict__.get("_weight")
+        if kept is not None and all(old is new for old, new in zip(kept[0], buffers)):
+            return kept[1]
+        tensor_scale = None if self.weight_tensor_scale is None else self.weight_tensor_scale.view(torch.float32)
+        weight = quant.QuantizedTensor(self.weight_data.view(self._data_dtype), self.weight_scales.view(self._scale_dtype),
+                                       self.fmt, torch.Size((self.out_features, self.in_features)), 1, tensor_scale)
+        if not compiling:
+            self.__dict__["_weight"] = buffers, weight
+        return weight
+
+    def _apply(self, fn, recurse=True):
+        # A move or cast makes new buffers: let the old ones go now, not at the next forward.
+        self.__dict__.pop("_weight", None)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = scaled_matmul(x.reshape(-1, self.in_features), self.weight, out_dtype=x.dtype, bias=self.bias)

@@ -46,7 +46,8 @@ reads x once, and a block scale that would pass 448 saturates there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +66,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MIN_SCALE_EXP = -126
 NAN_SCALE = 255
 NVFP4_TENSOR_DIV = 448.0 * 6.0
+# id of the storage of scales -> {(layout, view): (version, copy)}: see _scales_copy
+_SCALE_COPIES: dict[int, dict] = {}
 
 
 @dataclass
@@ -77,27 +80,43 @@ class QuantizedTensor:
     shape: torch.Size  # the logical (unquantized) shape
     axis: int  # the quantized axis of `shape`, non-negative
     tensor_scale: torch.Tensor | None = None  # nvfp4's float32 scalar
-    _blocked_scales: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    _scales_by_step: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _scales_copy(self, layout, make) -> torch.Tensor:
+        """The copy of `scales` that `make(scales)` returns, kept for the next call while `scales`
+        views the same memory, unmodified. The copies live with that memory (its storage, which
+        dtype views share: they have no view base), not with this object: a QuantizedLinear, or
+        a compiled graph, makes a new QuantizedTensor over its buffers in every call and still
+        pays for the copy once, and an in-place change of the scales (a load_state_dict into the
+        buffer) makes a fresh one. Inference tensors carry no version counter; they cannot change
+        outside inference mode."""
+        scales = self.scales
+        storage = scales.untyped_storage()
+        copies = _SCALE_COPIES.get(id(storage))
+        if copies is None:
+            copies = _SCALE_COPIES[id(storage)] = {}
+            weakref.finalize(storage, _SCALE_COPIES.pop, id(storage), None)
+        key = layout, scales.data_ptr(), scales.shape, scales.stride(), scales.dtype
+        version = None if scales.is_inference() else scales._version
+        kept = copies.get(key)
+        if kept is None or kept[0] != version:
+            kept = copies[key] = version, make(scales)
+        return kept[1]
 
     def blocked_scales(self) -> torch.Tensor:
-        """`scales` in the 5D layout (to_blocked) that sm_100's block-scaled MMA reads, made on
-        the first call and kept: a weight pays for the conversion once."""
-        if self._blocked_scales is None:
-            self._blocked_scales = to_blocked(self.scales)
-        return self._blocked_scales
+        """`scales` in the 5D layout (to_blocked) that sm_100's block-scaled MMA reads (kept: see
+        _scales_copy)."""
+        return self._scales_copy("blocked", to_blocked)
 
     def scales_by_step(self, step: int) -> torch.Tensor:
         """`scales` (rows, K // block) regrouped by steps of `step` elements of K (a multiple of the
         block that divides K): (K // step, rows, step // block), contiguous, so that the scales of
         one step of consecutive rows are consecutive bytes (Hopper's weight-only wgmma kernel reads
-        them so). Made on the first call and kept, like blocked_scales."""
-        if self._scales_by_step is None or self._scales_by_step[0] != step:
-            rows, blocks = self.scales.shape
+        them so). Kept: see _scales_copy."""
+        def by_step(scales):
+            rows, blocks = scales.shape
             per_step = step // self.block
-            by_step = self.scales.reshape(rows, blocks // per_step, per_step).transpose(0, 1).contiguous()
-            self._scales_by_step = step, by_step
-        return self._scales_by_step[1]
+            return scales.reshape(rows, blocks // per_step, per_step).transpose(0, 1).contiguous()
+        return self._scales_copy(("by_step", step), by_step)
 
     @property
     def block(self) -> int:

@@ -759,28 +759,56 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         if a.axis != 1:
             raise ValueError(f"a must be quantized along K (axis 1), got axis {a.axis}")
         a_fmt, (M, K_a) = a.fmt, a.shape
-        a_data, a_scales = a.data, a.scales
+        a_data, a_scales, a_tensor_scale = a.data, a.scales, a.tensor_scale
     else:
         runtime.check_tensor("a", a, (torch.bfloat16,), min_dim=2)
         if a.dim() != 2:
             raise ValueError(f"a must be 2-D (M, K), got shape {tuple(a.shape)}")
         a_fmt, (M, K_a) = "bf16", a.shape
-        a_data, a_scales = a, b.scales
+        a_data, a_scales, a_tensor_scale = a, None, None
     if K_a != K:
         raise ValueError(f"a has K = {K_a} but b has K = {K} (its quantized axis)")
     if out_dtype not in runtime.FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    device = b.data.device
     if bias is not None:
         runtime.check_tensor("bias", bias)
         if bias.shape != (N,):
             raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
     runtime.check_same_device(a=a_data, b=b.data, bias=bias)
-    c = runtime.empty((M, N), out_dtype, device)
+    if torch.compiler.is_compiling():
+        return scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b.data, b.scales, b.fmt, list(b.shape),
+                                 b.axis, b.tensor_scale, out_dtype, bias)
+    # Eager: no QuantizedTensors taken apart and rebuilt (host time is most of a decode step's).
+    return _product(a, b, M, N, K, out_dtype, bias)
+
+
+def _fake_scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b_data, b_scales, b_fmt, b_shape, b_axis,
+                            b_tensor_scale, out_dtype, bias):
+    return b_data.new_empty((M, b_shape[1 - b_axis]), dtype=out_dtype)
+
+
+@runtime.custom_op("scaled_matmul_fwd", fake=_fake_scaled_matmul_fwd)
+def scaled_matmul_fwd(a_data: torch.Tensor, a_scales: torch.Tensor | None, a_fmt: str,
+                      a_tensor_scale: torch.Tensor | None, M: int, b_data: torch.Tensor, b_scales: torch.Tensor,
+                      b_fmt: str, b_shape: list[int], b_axis: int, b_tensor_scale: torch.Tensor | None,
+                      out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """scaled_matmul on checked operands, their QuantizedTensors taken apart (a_fmt "bf16": a_data
+    is A itself): what torch.compile traces, as one opaque node."""
+    b = QuantizedTensor(b_data, b_scales, b_fmt, torch.Size(b_shape), b_axis, b_tensor_scale)
+    a = a_data if a_fmt == "bf16" else QuantizedTensor(a_data, a_scales, a_fmt, torch.Size((M, b.shape[b_axis])), 1,
+                                                       a_tensor_scale)
+    return _product(a, b, M, b.shape[1 - b_axis], b.shape[b_axis], out_dtype, bias)
+
+
+def _product(a, b: QuantizedTensor, M: int, N: int, K: int, out_dtype: torch.dtype,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """Pick the kernel for the shapes and formats (module doc) and run it; A is bf16 or quantized."""
+    c = runtime.empty((M, N), out_dtype, b.data.device)
     if M == 0 or N == 0:
         return c
     if K == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
+    a_fmt, a_data, a_scales = (a.fmt, a.data, a.scales) if isinstance(a, QuantizedTensor) else ("bf16", a, None)
     tensor_scale = None
     for t in (a, b):
         if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
@@ -796,7 +824,8 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
     elif a_fmt == "bf16" and b.fmt != "mxfp8" and M <= MMA_MAX_M and b.data.data_ptr() % 4 == 0:
         _mma_rows(a_data, b, c, M, N, K, bias, tensor_scale)
     else:
-        _in_registers(a_fmt, a_data, a_scales, b, c, M, N, K, bias, tensor_scale)
+        # A bf16 A has no scales: B's stand in for the kernel's unused pointer.
+        _in_registers(a_fmt, a_data, b.scales if a_scales is None else a_scales, b, c, M, N, K, bias, tensor_scale)
     return c
 
 
