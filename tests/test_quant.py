@@ -4,6 +4,7 @@ the formats' own properties (round trips, error bounds, special values, the 5D s
 import dataclasses
 import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -286,8 +287,8 @@ def test_scales_by_step_index_map_and_cache(fmt, device):
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_scales_copies_follow_the_scales(fmt, device):
-    # The copies are kept on the tensor; an in-place change of the scales, or new scales, must
-    # make fresh ones, not hand the kernels the old scales.
+    # The copies are kept with the scales' memory; an in-place change of the scales, or new
+    # scales, must make fresh ones, not hand the kernels the old scales.
     q = quant.quantize(torch.randn(128, 256, device=device), fmt, axis=1)
     by_step, blocked = q.scales_by_step(128), q.blocked_scales()
     assert q.scales_by_step(128) is by_step and q.blocked_scales() is blocked
@@ -304,11 +305,11 @@ def test_scales_copies_follow_the_scales(fmt, device):
     # the copy, a byte view too, and the copies go when the memory does.
     twin = dataclasses.replace(q, scales=q.scales.view(torch.uint8).view(q.scales.dtype))
     assert twin.scales_by_step(128) is q.scales_by_step(128)
-    storage = id(q.scales.untyped_storage())
-    assert storage in quant._SCALE_COPIES
+    assert q.scales.untyped_storage() in quant._SCALE_COPIES
+    copy = weakref.ref(q.scales_by_step(128))
     del q, twin
     gc.collect()
-    assert storage not in quant._SCALE_COPIES
+    assert copy() is None
 
 
 @pytest.mark.parametrize("bad,error,match", [

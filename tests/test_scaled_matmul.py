@@ -319,8 +319,8 @@ def test_scaled_matmul_under_torch_compile(fmt, device):
     x = torch.randn(2, 3, 256, device=device).to(torch.bfloat16)
     assert torch.equal(compile_fullgraph(layer)(x), layer(x))
     if sm._wgmma_fits(layer.weight, 6, 256):
-        assert id(layer.weight_scales.untyped_storage()) in quant._SCALE_COPIES
-    a = quant.quantize(torch.randn(5, 256, device=device), "mxfp8" if fmt != "nvfp4" else fmt, axis=1)
+        assert layer.weight_scales.untyped_storage() in quant._SCALE_COPIES
+    a = quant.quantize(torch.randn(5, 256, device=device), fmt, axis=1)
     w = layer.weight
     product = compile_fullgraph(lambda a, w: scaled_matmul(a, w, out_dtype=torch.float32))
     assert torch.equal(product(a, w), scaled_matmul(a, w, out_dtype=torch.float32))

@@ -46,7 +46,6 @@ reads x once, and a block scale that would pass 448 saturates there.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +65,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MIN_SCALE_EXP = -126
 NAN_SCALE = 255
 NVFP4_TENSOR_DIV = 448.0 * 6.0
-# id of the storage of scales -> {(layout, view): (version, copy)}: see _scales_copy
-_SCALE_COPIES: dict[int, dict] = {}
+# The storage of scales (held weakly) -> {(layout, view): (version, copy)}: see _scales_copy
+_SCALE_COPIES = torch.utils.weak.WeakIdKeyDictionary()
 
 
 @dataclass
@@ -90,11 +89,7 @@ class QuantizedTensor:
         buffer) makes a fresh one. Inference tensors carry no version counter; they cannot change
         outside inference mode."""
         scales = self.scales
-        storage = scales.untyped_storage()
-        copies = _SCALE_COPIES.get(id(storage))
-        if copies is None:
-            copies = _SCALE_COPIES[id(storage)] = {}
-            weakref.finalize(storage, _SCALE_COPIES.pop, id(storage), None)
+        copies = _SCALE_COPIES.setdefault(scales.untyped_storage(), {})
         key = layout, scales.data_ptr(), scales.shape, scales.stride(), scales.dtype
         version = None if scales.is_inference() else scales._version
         kept = copies.get(key)

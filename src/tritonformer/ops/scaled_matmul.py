@@ -779,7 +779,7 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         return scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b.data, b.scales, b.fmt, list(b.shape),
                                  b.axis, b.tensor_scale, out_dtype, bias)
     # Eager: no QuantizedTensors taken apart and rebuilt (host time is most of a decode step's).
-    return _product(a, b, M, N, K, out_dtype, bias)
+    return _product(a, b, out_dtype, bias)
 
 
 def _fake_scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b_data, b_scales, b_fmt, b_shape, b_axis,
@@ -797,12 +797,12 @@ def scaled_matmul_fwd(a_data: torch.Tensor, a_scales: torch.Tensor | None, a_fmt
     b = QuantizedTensor(b_data, b_scales, b_fmt, torch.Size(b_shape), b_axis, b_tensor_scale)
     a = a_data if a_fmt == "bf16" else QuantizedTensor(a_data, a_scales, a_fmt, torch.Size((M, b.shape[b_axis])), 1,
                                                        a_tensor_scale)
-    return _product(a, b, M, b.shape[1 - b_axis], b.shape[b_axis], out_dtype, bias)
+    return _product(a, b, out_dtype, bias)
 
 
-def _product(a, b: QuantizedTensor, M: int, N: int, K: int, out_dtype: torch.dtype,
-             bias: torch.Tensor | None) -> torch.Tensor:
+def _product(a, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """Pick the kernel for the shapes and formats (module doc) and run it; A is bf16 or quantized."""
+    M, K, N = a.shape[0], b.shape[b.axis], b.shape[1 - b.axis]
     c = runtime.empty((M, N), out_dtype, b.data.device)
     if M == 0 or N == 0:
         return c
