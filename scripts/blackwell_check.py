@@ -24,15 +24,11 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from count_sass import compile_launch  # noqa: E402  (sets TRITON_INTERPRET=0 first)
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-
-from tritonformer import quant  # noqa: E402
-from tritonformer.ops import scaled_matmul as sm  # noqa: E402
+from count_sass import compile_launch  # a script's folder is on sys.path
 
 TARGET = GPUTarget("cuda", 100, 64)
 SMEM_LIMIT = 227 * 1024
@@ -43,6 +39,9 @@ M, N, K = 300, 520, 1056
 
 def record_launch(fmt_a: str, fmt_b: str) -> tuple:
     """(kernel, args, kwargs) of the launch `_dot_scaled` makes for fmt_a x fmt_b on CPU tensors."""
+    from tritonformer import quant
+    from tritonformer.ops.scaled_matmul import dot_scaled as sm
+
     a = quant.quantize_reference(torch.randn(M, K), fmt_a)
     b = quant.quantize_reference(torch.randn(N, K), fmt_b, axis=1)
     tensor_scale = a.tensor_scale * b.tensor_scale if fmt_a == "nvfp4" else None
@@ -51,7 +50,7 @@ def record_launch(fmt_a: str, fmt_b: str) -> tuple:
     saved = sm._launch_dot_scaled
     sm._launch_dot_scaled = lambda grid, *args, **kw: seen.append((saved.kernel, list(args), kw))
     try:
-        sm._dot_scaled(a, b, c, M, N, K, torch.randn(N), tensor_scale)
+        sm.run(a, b, c, M, N, K, torch.randn(N), tensor_scale)
     finally:
         sm._launch_dot_scaled = saved
     return seen[0]
@@ -79,9 +78,11 @@ def check(pair: str) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default=",".join(PAIRS), help="A:B format pairs, comma separated")
     pairs = parser.parse_args().pairs.split(",")
+    # Compile for the GPU even without one: runtime sets TRITON_INTERPRET=1 only if it is unset.
+    os.environ["TRITON_INTERPRET"] = "0"
     results = [check(pair) for pair in pairs]
     sys.exit(0 if all(results) else 1)
 

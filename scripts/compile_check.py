@@ -33,21 +33,11 @@ import sys
 import tempfile
 import time
 
-# Compile for the GPU even without one: runtime sets TRITON_INTERPRET=1 only if it is unset.
-os.environ["TRITON_INTERPRET"] = "0"
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
-from tritonformer import runtime  # noqa: E402
-from tritonformer.ops import attention as attn  # noqa: E402
-
-assert not runtime.INTERPRET, "TRITON_INTERPRET must be 0 here"
-# Causal grids read the SM count (attention's GROUP_PROGRAMS): the H100 SXM's, without a GPU.
-runtime.num_sms = lambda device_index=0: 132
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 TARGET = GPUTarget("cuda", 90, 64)
 SMEM_LIMIT = 227 * 1024  # H100: max dynamic shared memory per block
@@ -58,12 +48,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAUNCHERS = {"_launch_fwd": "fwd", "_launch_dkdv": "dkdv", "_launch_dq": "dq"}
 
 
-class _Recorder:
+class Recorder:
     """Stands in for a TunedLauncher (key, grid, *args, **kw) or FastLaunch (grid, *args, **kw)."""
 
     def __init__(self, name, launcher, store):
         self.name, self.store = name, store
-        self.tuned = isinstance(launcher, runtime.TunedLauncher)
+        self.tuned = hasattr(launcher, "autotuned")
         self.kernel = launcher.autotuned if self.tuned else launcher.kernel
 
     def __call__(self, *a, fitted=None, **kw):
@@ -71,37 +61,47 @@ class _Recorder:
         self.store[self.name] = (self.kernel, list(args), dict(kw), fitted)
 
 
-def record_launches(D, dtype, causal, varlen, window):
-    """{kernel name: (kernel, args, kwargs)} of one forward and one backward call."""
-    store = {}
+@contextlib.contextmanager
+def recording(attn, store: dict, recorder=Recorder):
+    """attention's launchers replaced by recorders into store: its calls launch nothing, and
+    plan nothing that a later call would replay."""
     saved = {attr: getattr(attn, attr) for attr in LAUNCHERS}
     try:
         for attr, name in LAUNCHERS.items():
-            setattr(attn, attr, _Recorder(name, saved[attr], store))
-        H, H_kv, S = 4, 2, 1024
-        if varlen:
-            lens = [1000, 24]  # total 1024 rows: 16-divisible strides as in a typical batch
-            cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-            q = torch.randn(sum(lens), H, D).to(dtype)
-            k = torch.randn(sum(lens), H_kv, D).to(dtype)
-            extra = (cu, cu, max(lens), max(lens))
-            lse = torch.empty(H, sum(lens))
-        else:
-            q = torch.randn(1, H, S, D).to(dtype)
-            k = torch.randn(1, H_kv, S, D).to(dtype)
-            extra = (None, None, 0, 0)
-            lse = torch.empty(1, H, S)
-        v = torch.randn_like(k)
-        w = 128 if window else attn.NO_WINDOW
-        scale = D ** -0.5
-        # Eager calls of the custom ops run their Python bodies, which launch through the
-        # module-level launchers patched above.
-        attn.attention_fwd(q, k, v, causal, scale, w, *extra)
-        o = torch.empty_like(q)
-        attn.attention_bwd(torch.randn_like(q), None, q, k, v, o, lse, causal, scale, w, *extra)
+            setattr(attn, attr, recorder(name, saved[attr], store))
+        yield
     finally:
         for attr, launcher in saved.items():
             setattr(attn, attr, launcher)
+
+
+def record_launches(D, dtype, causal, varlen, window):
+    """{kernel name: (kernel, args, kwargs, fitted)} of one forward and one backward call."""
+    from tritonformer.ops import attention as attn
+
+    H, H_kv, S = 4, 2, 1024
+    if varlen:
+        lens = [1000, 24]  # total 1024 rows: 16-divisible strides as in a typical batch
+        cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(lens), H, D).to(dtype)
+        k = torch.randn(sum(lens), H_kv, D).to(dtype)
+        extra = (cu, cu, max(lens), max(lens))
+        lse = torch.empty(H, sum(lens))
+    else:
+        q = torch.randn(1, H, S, D).to(dtype)
+        k = torch.randn(1, H_kv, S, D).to(dtype)
+        extra = (None, None, 0, 0)
+        lse = torch.empty(1, H, S)
+    v = torch.randn_like(k)
+    w = 128 if window else attn.NO_WINDOW
+    scale = D ** -0.5
+    store = {}
+    # Eager calls of the custom ops run their Python bodies, which launch through the
+    # module-level launchers that recording patches.
+    with recording(attn, store):
+        attn.attention_fwd(q, k, v, causal, scale, w, *extra)
+        o = torch.empty_like(q)
+        attn.attention_bwd(torch.randn_like(q), None, q, k, v, o, lse, causal, scale, w, *extra)
     return store
 
 
@@ -207,6 +207,8 @@ def run_job(job):
     if spec is None:
         return label
     fn_name, sig, consts, attrs, options = spec
+    from tritonformer.ops import attention as attn
+
     fn = getattr(attn, fn_name)
     if isinstance(fn, triton.runtime.Autotuner):
         fn = fn.fn
@@ -277,7 +279,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count())
     p.add_argument("--kernels", default="fwd,dkdv,dq")
-    p.add_argument("--dims", default=",".join(map(str, attn.HEAD_DIMS)))
+    p.add_argument("--dims", help="head dims, comma separated (default: attention's HEAD_DIMS)")
     p.add_argument("--dtypes", default="bf16,fp16", help="bf16,fp16,fp32 (fp32 is only run for D <= 128)")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--varlen", default="0,1")
@@ -286,8 +288,16 @@ def main():
                    "(still pruned by the op's early_config_prune)")
     p.add_argument("--json", help="write every row to this file")
     a = p.parse_args()
+    # Compile for the GPU even without one: runtime sets TRITON_INTERPRET=1 only if it is unset.
+    os.environ["TRITON_INTERPRET"] = "0"
+    from tritonformer import runtime
+    from tritonformer.ops import attention as attn
+
+    assert not runtime.INTERPRET, "TRITON_INTERPRET must be 0 here (tritonformer was imported before)"
+    # Causal grids read the SM count (attention's GROUP_PROGRAMS): the H100 SXM's, without a GPU.
+    runtime.num_sms = lambda device_index=0: 132
     ints = lambda s: [int(x) for x in s.split(",") if x != ""]  # noqa: E731
-    dims = ints(a.dims)
+    dims = ints(a.dims) if a.dims else list(attn.HEAD_DIMS)
     dtypes = [d for d in a.dtypes.split(",") if d]
     jobs = []
     for dname in dtypes:

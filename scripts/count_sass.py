@@ -31,20 +31,11 @@ import subprocess
 import sys
 import tempfile
 
-# Compile for the GPU even without one: runtime sets TRITON_INTERPRET=1 only if it is unset.
-os.environ["TRITON_INTERPRET"] = "0"
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
-from tritonformer import quant, runtime  # noqa: E402
-
-assert not runtime.INTERPRET, "TRITON_INTERPRET must be 0 here"
-runtime.DEVICE = "cpu"  # quantize's input checks: the recorded launches run on CPU tensors
-runtime.num_sms = lambda device_index=0: 132  # the H100 SXM's, for the amax grid
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 TARGET = GPUTarget("cuda", 90, 64)
 K = 8192
@@ -55,6 +46,8 @@ _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]
 
 def record_launches(fmt: str, dtype: torch.dtype = torch.bfloat16, k: int = K) -> dict:
     """{launcher name: (kernel, positional args, keyword args)} of quantize on a (2, k) tensor."""
+    from tritonformer import quant
+
     seen = {}
     saved = {name: getattr(quant, name) for name in LAUNCHERS}
     try:
@@ -133,14 +126,21 @@ def loop_body(instrs) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default=",".join(quant.FORMATS))
+    p.add_argument("--formats", help="comma separated (default: every format of quant.FORMATS)")
     p.add_argument("--elements", type=int, help="elements a program of the quantize kernel")
     p.add_argument("--warps", type=int, help="warps a program of the quantize kernel")
     p.add_argument("--dtype", default="bf16", choices=DTYPES, help="x's dtype")
     p.add_argument("-k", type=int, default=K, help="the quantized axis' size")
     p.add_argument("--dump", help="write each kernel's SASS and TTGIR to DIR/<kernel>_<fmt>.sass, .ttgir")
     a = p.parse_args()
-    for fmt in a.formats.split(","):
+    # Compile for the GPU even without one: runtime sets TRITON_INTERPRET=1 only if it is unset.
+    os.environ["TRITON_INTERPRET"] = "0"
+    from tritonformer import quant, runtime
+
+    assert not runtime.INTERPRET, "TRITON_INTERPRET must be 0 here (tritonformer was imported before)"
+    runtime._on_kernel_device = lambda t: True  # quantize's input checks: the recorded launches take CPU tensors
+    runtime.num_sms = lambda device_index=0: 132  # the H100 SXM's, for the amax grid
+    for fmt in (a.formats or ",".join(quant.FORMATS)).split(","):
         for name, (fn, args, kw) in record_launches(fmt, DTYPES[a.dtype], a.k).items():
             if name == "_launch_quantize":
                 vec = quant.FORMATS[fmt][0]

@@ -29,9 +29,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-import tritonformer  # noqa: F401  (before transformers: picks the interpreter on a CPU machine)
-from tritonformer.integrations import hf
-
 
 def build(args, device):
     import transformers
@@ -79,6 +76,8 @@ def main():
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype)
     tolerance = args.tolerance or (1e-3 if args.dtype == torch.float32 else 2e-2)
+    import tritonformer  # noqa: F401  (before transformers: picks the interpreter on a CPU machine)
+    from tritonformer.integrations import hf
 
     on_gpu = torch.cuda.is_available()
     dist.init_process_group("nccl" if on_gpu else "gloo")

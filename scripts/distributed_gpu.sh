@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine: scripts/distributed_check.py under DDP and FSDP2 (fp32 and
 # bf16; FSDP2 also with lm_head as a unit of its own). Logs under $OUT; a summary line per run.
+# Usage (on the device machine, repo root): bash scripts/distributed_gpu.sh
 set -uo pipefail
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0; fi
 OUT=${OUT:-/tmp/tritonformer-dist}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

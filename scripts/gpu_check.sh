@@ -5,6 +5,7 @@
 # TEST_TIMEOUT caps the test part in seconds, so that the bench still runs within one device call;
 # E2E=1 adds the end-to-end training benchmark (bench e2e) after the op benchmark.
 set -uo pipefail
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0; fi
 OUT=${OUT:-/tmp/tritonformer-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

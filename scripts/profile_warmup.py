@@ -1,7 +1,9 @@
 """Where the patched model's warm-up goes: each Triton compile (or disk-cache load) and each
-autotune, timed, for the first training steps of bench e2e's model.
+autotune, timed, for the first training steps of bench e2e's model. On the GPU machine:
 
-    python scripts/profile_warmup.py [--steps 3] [--cold]   # --cold: a fresh, empty TRITON_CACHE_DIR
+    python scripts/profile_warmup.py [--steps 3] [--cold] [--layers 8]
+
+--cold: a fresh, empty TRITON_CACHE_DIR, so that every kernel compiles.
 """
 
 import argparse
@@ -12,97 +14,98 @@ import tempfile
 import threading
 import time
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--cold", action="store_true")
-parser.add_argument("--layers", type=int, default=8)
-args = parser.parse_args()
-if args.cold:
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
 
-import torch  # noqa: E402
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="training steps timed")
+    parser.add_argument("--cold", action="store_true", help="start from an empty Triton cache")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model")
+    args = parser.parse_args()
+    if args.cold:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
 
-import tritonformer  # noqa: E402,F401
-from triton import knobs  # noqa: E402
-from triton.runtime import autotuner  # noqa: E402
+    import torch
 
-from tritonformer.bench.e2e import FULL  # noqa: E402
+    import tritonformer  # noqa: F401  (before triton and transformers)
+    from triton import knobs
+    from triton.runtime import autotuner
 
-compile_s = collections.defaultdict(float)
-compile_n = collections.Counter()
-started = {}
+    from tritonformer.bench.e2e import FULL
 
+    compile_s = collections.defaultdict(float)
+    compile_n = collections.Counter()
+    started = {}
+    timeline = []  # (start, end, kernel, thread)
 
-def on_start(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-    started[(fn.name, str(key))] = time.perf_counter()
-    return False
+    def on_start(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        started[(fn.name, str(key))] = time.perf_counter()
+        return False
 
+    def on_end(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        t0 = started.pop((fn.name, str(key)), None)
+        if t0 is not None:
+            t1 = time.perf_counter()
+            compile_s[fn.name] += t1 - t0
+            compile_n[fn.name] += 1
+            timeline.append((t0, t1, fn.name, threading.current_thread().name))
 
-timeline = []  # (start, end, kernel, thread)
+    knobs.runtime.jit_cache_hook = on_start
+    knobs.runtime.jit_post_compile_hook = on_end
 
+    tune_s = collections.defaultdict(float)
+    original_run = autotuner.Autotuner.run
 
-def on_end(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-    t0 = started.pop((fn.name, str(key)), None)
-    if t0 is not None:
+    def timed_run(self, *a, **kw):
+        before = len(self.cache)
+        t0 = time.perf_counter()
+        out = original_run(self, *a, **kw)
+        if len(self.cache) > before:
+            tune_s[self.base_fn.__name__] += time.perf_counter() - t0
+        return out
+
+    autotuner.Autotuner.run = timed_run
+
+    import transformers
+
+    from tritonformer.integrations import hf
+
+    sizes = dict(FULL, layers=args.layers)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
+        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+    hf.patch(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data = torch.randint(0, sizes["vocab"], (args.steps, sizes["batch"], sizes["seq"]), device="cuda")
+    t_all = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=data[step], labels=data[step]).loss
+        torch.cuda.synchronize()
         t1 = time.perf_counter()
-        compile_s[fn.name] += t1 - t0
-        compile_n[fn.name] += 1
-        timeline.append((t0, t1, fn.name, threading.current_thread().name))
+        loss.backward()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        print(f"step {step}: forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, "
+              f"optimizer {time.perf_counter() - t2:.2f} s")
+    print(f"first {args.steps} steps: {time.perf_counter() - t_all:.2f} s "
+          f"({'cold' if args.cold else 'warm'} Triton cache)")
+    print("compile (or cache load) per kernel, s:")
+    for name, s in sorted(compile_s.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:40s} {s:6.2f}  x{compile_n[name]}")
+    print(f"  total {sum(compile_s.values()):.2f}")
+    print("compiles in time order, s from the first step's start (thread):")
+    for t0, t1, name, thread in sorted(timeline):
+        print(f"  {t0 - t_all:6.2f} .. {t1 - t_all:6.2f}  {name:36s} {thread}")
+    print("autotune per kernel (compiles included), s:")
+    for name, s in sorted(tune_s.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:40s} {s:6.2f}")
+    sys.stdout.flush()
 
 
-knobs.runtime.jit_cache_hook = on_start
-knobs.runtime.jit_post_compile_hook = on_end
-
-tune_s = collections.defaultdict(float)
-original_run = autotuner.Autotuner.run
-
-
-def timed_run(self, *a, **kw):
-    before = len(self.cache)
-    t0 = time.perf_counter()
-    out = original_run(self, *a, **kw)
-    if len(self.cache) > before:
-        tune_s[self.base_fn.__name__] += time.perf_counter() - t0
-    return out
-
-
-autotuner.Autotuner.run = timed_run
-
-import transformers  # noqa: E402
-
-from tritonformer.integrations import hf  # noqa: E402
-
-sizes = dict(FULL, layers=args.layers)
-torch.manual_seed(0)
-config = transformers.LlamaConfig(
-    vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
-    num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"])
-model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
-hf.patch(model)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-data = torch.randint(0, sizes["vocab"], (args.steps, sizes["batch"], sizes["seq"]), device="cuda")
-t_all = time.perf_counter()
-for step in range(args.steps):
-    t0 = time.perf_counter()
-    loss = model(input_ids=data[step], labels=data[step]).loss
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    loss.backward()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    print(f"step {step}: forward {t1 - t0:.2f} s, backward {t2 - t1:.2f} s, optimizer {time.perf_counter() - t2:.2f} s")
-print(f"first {args.steps} steps: {time.perf_counter() - t_all:.2f} s ({'cold' if args.cold else 'warm'} Triton cache)")
-print("compile (or cache load) per kernel, s:")
-for name, s in sorted(compile_s.items(), key=lambda kv: -kv[1]):
-    print(f"  {name:40s} {s:6.2f}  x{compile_n[name]}")
-print(f"  total {sum(compile_s.values()):.2f}")
-print("compiles in time order, s from the first step's start (thread):")
-for t0, t1, name, thread in sorted(timeline):
-    print(f"  {t0 - t_all:6.2f} .. {t1 - t_all:6.2f}  {name:36s} {thread}")
-print("autotune per kernel (compiles included), s:")
-for name, s in sorted(tune_s.items(), key=lambda kv: -kv[1]):
-    print(f"  {name:40s} {s:6.2f}")
-sys.stdout.flush()
+if __name__ == "__main__":
+    main()

@@ -18,46 +18,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(__file__))
-from compile_check import LAUNCHERS, _Recorder, parse_configs  # noqa: E402
-
-from tritonformer import runtime  # noqa: E402
-from tritonformer.ops import attention as attn  # noqa: E402
+from compile_check import Recorder, parse_configs, recording  # a script's folder is on sys.path
 
 TARGETS = "4,32,4096,128,1;4,32,4096,128,0;8,16,2048,64,1;1,32,16384,128,1"
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}
 
 
-class _GridRecorder(_Recorder):
+class _GridRecorder(Recorder):
+    """compile_check's recorder, the launch's grid added: (kernel, args, kwargs, fitted, grid)."""
+
     def __call__(self, *a, **kw):
         super().__call__(*a, **kw)
-        self.store[self.name] += (a[1] if self.tuned else a[0], self.fitted)
+        self.store[self.name] += (a[1] if self.tuned else a[0],)
 
 
 def record(q, k, v, causal):
-    """{kernel: (kernel, args, kwargs, grid)}; the backward's arguments hold a real O, lse and delta."""
+    """{kernel: (kernel, args, kwargs, fitted, grid)}; the backward's arguments hold a real O, lse and delta."""
+    from tritonformer.ops import attention as attn
+
     scale = q.shape[-1] ** -0.5
-    o, lse = attn.attention_fwd(q, k, v, causal, scale, attn.NO_WINDOW)
     store = {}
-    saved = {attr: getattr(attn, attr) for attr in LAUNCHERS}
-    try:
-        for attr, name in LAUNCHERS.items():
-            setattr(attn, attr, _GridRecorder(name, saved[attr], store))
+    # The forward is recorded before it runs: a run plans the signature, and a planned call
+    # replays its launch without the launcher.
+    with recording(attn, store, _GridRecorder):
         attn.attention_fwd(q, k, v, causal, scale, attn.NO_WINDOW)
+    o, lse = attn.attention_fwd(q, k, v, causal, scale, attn.NO_WINDOW)
+    with recording(attn, store, _GridRecorder):
         attn.attention_bwd(torch.randn_like(q), None, q, k, v, o, lse, causal, scale, attn.NO_WINDOW)
-    finally:
-        for attr, launcher in saved.items():
-            setattr(attn, attr, launcher)
     # The dQ kernel writes the delta that the dK/dV kernel reads: one launch of its first config.
-    dq_kernel, args, kw, grid, _ = store["dq"]
+    dq_kernel, args, kw, _, grid = store["dq"]
     config = dq_kernel.early_config_prune(dq_kernel.configs, dict(zip(dq_kernel.fn.arg_names, args)), **kw)[0]
-    meta = dict(kw, **config.kwargs)
+    meta = dict(kw, **config.kwargs, DESCRIPTORS=False)  # the recorded tensors, by pointer loads
     dq_kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
     return store
 
@@ -70,6 +65,10 @@ def main():
     p.add_argument("--descriptors", default="0,1")
     p.add_argument("--json")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_attention.py times kernels on a CUDA GPU")
+    from tritonformer.ops import attention as attn
+
     extra = {}
     for item in filter(None, a.extra.split(";")):
         name, text = item.split("=")
@@ -85,7 +84,7 @@ def main():
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
         store = record(q, k, v, causal)
         for name in a.kernels.split(","):
-            kernel, args, kw, grid, fitted = store[name]
+            kernel, args, kw, fitted, grid = store[name]
             fn = kernel.fn
             named = dict(zip(fn.arg_names, args))
             configs = kernel.configs + extra.get(name, [])
@@ -110,7 +109,8 @@ def main():
                                       warmup=10, rep=60)
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is a row
                         rows.append(dict(shape=shape, kernel=name, config=label, error=type(e).__name__))
-                        print(f"{shape:26s} {name:5s} {label:16s} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        print(f"{shape:26s} {name:5s} {label:16s} FAILED {type(e).__name__}: {str(e)[:120]}",
+                              flush=True)
                         continue
                     tflops = flops * MATMULS[name] / 2 / ms * 1e-9
                     rows.append(dict(shape=shape, kernel=name, config=label, ms=ms, tflops=tflops))
@@ -143,5 +143,4 @@ def main():
 
 
 if __name__ == "__main__":
-    assert not runtime.INTERPRET, "needs a GPU"
     main()

@@ -1,13 +1,22 @@
-"""Times launch shapes of the memory-bound kernels on their target sizes, one process, GB/s per
-config: python3 scripts/sweep_launch.py [norm|swiglu|rope ...] (GPU machine, PYTHONPATH=src).
-What it finds goes into the launch heuristics (docs/perf-notes.md)."""
-import sys
+"""Launch shapes of the memory-bound kernels at their target sizes, timed in one process (GB/s a
+config, best first); what it finds goes into the ops' launch heuristics (docs/norm.md,
+docs/swiglu.md, docs/rope.md, docs/softmax.md, docs/cross_entropy.md). On the GPU machine:
+
+    PYTHONPATH=src python3 scripts/sweep_launch.py [norm|swiglu|rope|softmax|loss ...]   (default: all)
+
+norm: RMSNorm and LayerNorm forward (warps; LayerNorm's statistics by one shifted reduction or
+three) and in-register backward (warps, weight held or reloaded, programs an SM), beside the
+op's own choice. swiglu: elements and warps a program. rope: rope.LAUNCH's settings. softmax:
+rows and warps a program. loss: the fused loss's per-chunk kernel (cross_entropy's
+_loss_and_grad_kernel) on one chunk of bench e2e's loss, 1024 x 128256 bf16 logits, by warps and
+chunk width (the row is read twice: statistics, then gradient).
+"""
+
+import argparse
 
 import torch
 import triton
 from triton.testing import do_bench
-
-from tritonformer.ops import norm, rope, softmax, swiglu
 
 dev, bf16 = "cuda", torch.bfloat16
 
@@ -20,6 +29,8 @@ def sweep_norm():
     """Forward: LayerNorm's statistics by one shifted reduction (SHIFTED_STATS) or three; backward:
     the weight held in registers or loaded per row (RELOAD_W), programs per SM. The op's own
     choice is marked 'current'."""
+    from tritonformer.ops import norm
+
     for rms in (True, False):
         for M, N in ((16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)):
             x = torch.randn(M, N, device=dev, dtype=bf16)
@@ -45,22 +56,18 @@ def sweep_norm():
                               num_warps=warps)
                     for per_sm in (1, 2, 4):
                         programs = min(M, 132 * per_sm)
-                        part = torch.empty(2, programs, N, device=dev)
+                        part = torch.empty(2, programs, N, device=dev)  # (dw, db) rows of each program
                         g = lambda: norm._norm_bwd_kernel[(programs,)](  # noqa: E731
-                            x, w, dy, dy, dx, stats, part[0], part[1], M, N, N, N, N, N, 0.0, **kw)
+                            x, w, dy, dy, dx, stats, part, M, N, N, N, N, N, 0.0, **kw)
                         bwd.append((round(gbps(g, 3 * x.nbytes)), warps, f"reload={reload}", per_sm))
-            if not rms and N > norm.LAYER_NORM_BWD_MAX_N:  # what the op runs there: the looped kernel
-                part = torch.zeros(2, 132, N, device=dev)
-                g = lambda: norm._norm_bwd_looped_kernel[(132,)](  # noqa: E731
-                    x, w, dy, dx, stats, part[0], part[1], M, N, N, N, N, 0.0, **flags, CHUNK=norm.LOOP_CHUNK,
-                    num_warps=norm.LOOPED_BWD_WARPS)
-                bwd.append((round(gbps(g, 3 * x.nbytes)), norm.LOOPED_BWD_WARPS, "looped", 1))
             name = "rms" if rms else "ln"
             print(f"norm {name} {M}x{N} current {current} fwd", sorted(fwd, reverse=True)[:6], flush=True)
             print(f"norm {name} {M}x{N} bwd", sorted(bwd, reverse=True)[:6], flush=True)
 
 
 def sweep_swiglu():
+    from tritonformer.ops import swiglu
+
     for M, N in ((8192, 14336), (4096, 11008), (16384, 4096)):
         g, u, dh = (torch.randn(M, N, device=dev, dtype=bf16) for _ in range(3))
         h, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
@@ -80,6 +87,8 @@ def sweep_swiglu():
 
 
 def sweep_rope():
+    from tritonformer.ops import rope
+
     for B, Hq, Hk, S, D, layout in ((4, 32, 8, 4096, 128, "bhsd"), (4, 32, 8, 4096, 128, "bshd")):
         shape = lambda h: (B, h, S, D) if layout == "bhsd" else (B, S, h, D)  # noqa: E731
         q, k = torch.randn(shape(Hq), device=dev, dtype=bf16), torch.randn(shape(Hk), device=dev, dtype=bf16)
@@ -106,6 +115,8 @@ def sweep_rope():
 
 
 def sweep_softmax():
+    from tritonformer.ops import softmax
+
     for dtype in (bf16, torch.float32):
         for M, N in ((4096, 4096), (4096, 1024), (4096, 16384)):
             x = torch.randn(M, N, device=dev, dtype=dtype)
@@ -122,6 +133,39 @@ def sweep_softmax():
                   "current", softmax._fwd_launch_shape(N), flush=True)
 
 
-SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax}
-for name in sys.argv[1:] or SWEEPS:
-    SWEEPS[name]()
+def sweep_loss():
+    from tritonformer.ops import cross_entropy as ce
+
+    rows, V = 1024, 128256
+    x0 = torch.randn(rows, V, device=dev, dtype=bf16)
+    target = torch.randint(0, V, (rows,), device=dev)
+    loss = torch.empty(rows, device=dev)
+    scale = torch.full((), 1.0 / rows, device=dev)
+    floor_ms = 3 * rows * V * 2 / 3.0e12 * 1e3
+    print(f"loss floor: 3 passes {floor_ms * 1e3:.0f} us, 2 passes {floor_ms * 2 / 3 * 1e3:.0f} us at 3 TB/s")
+    for warps in (8, 16, 32):
+        for chunk in (4096, 8192):
+            x = x0.clone()  # the kernel overwrites the logits with their gradient
+            f = lambda: ce._loss_and_grad_kernel[(rows,)](  # noqa: E731
+                x, target, loss, scale, V, 1, 0, -100, 0.0, 0.0, CHUNK=chunk, STAGES=ce.ROW_STAGES,
+                HAS_SMOOTHING=False, HAS_Z_LOSS=False, num_warps=warps)
+            ms = do_bench(f, warmup=25, rep=200)
+            print(f"loss warps {warps:2d} chunk {chunk}: {ms * 1e3:6.0f} us "
+                  f"({3 * rows * V * 2 / ms / 1e9:5.2f} TB/s as 3 passes)", flush=True)
+
+
+SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax, "loss": sweep_loss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweeps", nargs="*", metavar="SWEEP", help=f"any of {', '.join(SWEEPS)} (default: all)")
+    sweeps = parser.parse_args().sweeps or list(SWEEPS)
+    if unknown := [name for name in sweeps if name not in SWEEPS]:
+        parser.error(f"unknown sweep {', '.join(unknown)}: choose from {', '.join(SWEEPS)}")
+    for name in sweeps:
+        SWEEPS[name]()
+
+
+if __name__ == "__main__":
+    main()

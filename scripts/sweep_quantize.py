@@ -1,8 +1,8 @@
 """quant.quantize at the issue's size (16384 x 8192 bf16), per format: GB/s counting the bf16 read
 once (as issue 5's target does), and the DRAM rate the bytes it moves imply (nvfp4's amax pass
-reads x a second time; it is also timed with its tensor amax given, one read). With --sweep, every launch shape of the quantize kernel (elements a
-program x warps) too. Each format is first checked bit for bit against quantize_reference on 256
-rows.
+reads x a second time; it is also timed with its tensor amax given, one read). With --sweep,
+every launch shape of the quantize kernel (elements a program x warps) too. Each format is first
+checked bit for bit against quantize_reference on 256 rows. On the GPU machine:
 
     PYTHONPATH=src python3 scripts/sweep_quantize.py [--sweep] [--formats mxfp8,mxfp4,nvfp4]
 """
@@ -12,19 +12,20 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-import tritonformer  # noqa: F401  (before triton picks its mode)
-from tritonformer import quant
-
 M, K = 16384, 8192
 
 
 def moved_bytes(fmt: str) -> int:
+    from tritonformer import quant
+
     vec = quant.FORMATS[fmt][0]
     reads = 2 * M * K * (2 if fmt == "nvfp4" else 1)
     return reads + (M * K if fmt == "mxfp8" else M * K // 2) + M * K // vec
 
 
 def check(x: torch.Tensor, fmt: str) -> None:
+    from tritonformer import quant
+
     q, r = quant.quantize(x[:256], fmt), quant.quantize_reference(x[:256], fmt)
     for a, b in ((q.data, r.data), (q.scales, r.scales)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{fmt}: kernel != reference"
@@ -33,10 +34,12 @@ def check(x: torch.Tensor, fmt: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="also time every launch shape")
-    p.add_argument("--formats", default=",".join(quant.FORMATS))
+    p.add_argument("--formats", help="comma separated (default: every format of quant.FORMATS)")
     a = p.parse_args()
+    from tritonformer import quant
+
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    for fmt in a.formats.split(","):
+    for fmt in (a.formats or ",".join(quant.FORMATS)).split(","):
         check(x, fmt)
         default = quant.QUANTIZE_LAUNCH[fmt]
         shapes = [default] + ([(e, w) for e in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)

@@ -6,19 +6,17 @@ shapes (GEMV_SHAPE) against the tensor-core kernel and torch bf16, as do_bench t
 time alone (CUDA graphs); with --mma, the few-rows mma.sync kernel's shapes (MMA_SHAPES)
 likewise; with --wgmma, the Hopper few-rows kernel's shapes (WGMMA_SHAPES) against the mma.sync
 kernel (the in-register kernel for mxfp8); with --wgmma-tiles, its tiles of x (WGMMA_MAX_TOKENS)
-and their shapes from 128 rows on, against the path each M takes without them.
+and their shapes from 128 rows on, against the path each M takes without them. On the GPU machine:
 
-    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma | --wgmma-tiles] \
-        [substring of the case labels]
+    PYTHONPATH=src python3 scripts/sweep_scaled_matmul.py [--paths | --gemv | --mma | --wgmma | --wgmma-tiles] [ONLY]
+
+ONLY: a substring of the case labels, to run those cases alone.
 """
 
-import sys
+import argparse
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
-
-from tritonformer import quant
-from tritonformer.ops import scaled_matmul as sm
 
 CASES = [  # (label, M, N, K, fmt_a or None for bf16 activations, fmt_b, candidate launch shapes)
     *[(f"bf16 x {f} M{M}", M, N, 8192, None, f,
@@ -38,6 +36,11 @@ PATH_MS = (16, 64, 128, 256, 512, 1024, 2048, 8192)
 
 
 def sweep_paths(only):
+    from tritonformer import quant
+    from tritonformer.ops import scaled_matmul as sm
+    from tritonformer.ops.scaled_matmul import dequantize_first, wgmma
+
+    saved_threshold, saved_wgmma_min_m = dequantize_first.DEQUANTIZE_FIRST_MIN_M, wgmma.WGMMA_MIN_M
     for fa, fb in ((None, "nvfp4"), (None, "mxfp4"), (None, "mxfp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")):
         for M in PATH_MS:
             label = f"{fa or 'bf16'} x {fb} M{M}"
@@ -50,12 +53,11 @@ def sweep_paths(only):
             b = quant.quantize(w, fb, axis=1)
             peer = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
             times = {}
-            sm.WGMMA_MIN_M = 1 << 30  # bf16 activations: sweep_wgmma_tiles compares the wgmma kernel
+            wgmma.WGMMA_MIN_M = 1 << 30  # bf16 activations: sweep_wgmma_tiles compares the wgmma kernel
             for path, threshold in (("registers", 1 << 30), ("dequantize first", 0)):
-                sm.DEQUANTIZE_FIRST_MIN_M = threshold
+                dequantize_first.DEQUANTIZE_FIRST_MIN_M = threshold
                 times[path] = do_bench(lambda: sm.scaled_matmul(a, b), warmup=10, rep=50)
-            sm.DEQUANTIZE_FIRST_MIN_M = original_threshold
-            sm.WGMMA_MIN_M = original_wgmma_rows[0]
+            dequantize_first.DEQUANTIZE_FIRST_MIN_M, wgmma.WGMMA_MIN_M = saved_threshold, saved_wgmma_min_m
             flops = 2 * M * N * K
             row = " | ".join(f"{p} {t * 1e3:8.1f} us {flops / t * 1e-9:5.0f} TFLOP/s {peer / t:5.2f}x"
                              for p, t in times.items())
@@ -68,34 +70,40 @@ GEMV_SHAPES = [(64, 256, 4, 4), (64, 256, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6
 
 
 def sweep_gemv(only):
+    from tritonformer.ops.scaled_matmul import gemv
+
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for N in (8192, 28672):
-            _sweep_kernel_shapes(f"bf16 x {fmt} M1 N{N}", only, fmt, 1, N, "gemv", "GEMV_MAX_M", "GEMV_SHAPE",
+            _sweep_kernel_shapes(f"bf16 x {fmt} M1 N{N}", only, fmt, 1, N, gemv, "GEMV_MAX_M", "GEMV_SHAPE",
                                  GEMV_SHAPES, lambda shape: shape)
 
 
-def _sweep_kernel_shapes(label, only, fmt, M, N, kernel, max_m_name, shapes_name, candidates, as_setting, off=0):
+def _sweep_kernel_shapes(label, only, fmt, M, N, path, max_m_name, shapes_name, candidates, as_setting, off=0):
     """bf16 x (M, 8192) times fmt weights (N, 8192): torch bf16, the kernel that takes the case when
-    the swept one is off (sm.<max_m_name> set to off) and the swept kernel with each candidate shape
-    (sm.<shapes_name> = as_setting(candidate)); prints the best candidate and every time."""
+    the swept one is off (path.<max_m_name> set to off, path the kernel's module: gemv, mma or
+    wgmma) and the swept kernel with each candidate shape (path.<shapes_name> =
+    as_setting(candidate)); prints the best candidate and every time."""
     if only not in label:
         return
+    from tritonformer import quant
+    from tritonformer.ops import scaled_matmul as sm
+
     K = 8192
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     b = quant.quantize(w, fmt, axis=1)
     ref = sm.scaled_matmul_reference(x, b, torch.float32)
     peer = _timed(lambda: x @ w.t(), ref)
-    original_max_m, original_shapes = getattr(sm, max_m_name), getattr(sm, shapes_name)
-    setattr(sm, max_m_name, off)
+    original_max_m, original_shapes = getattr(path, max_m_name), getattr(path, shapes_name)
+    setattr(path, max_m_name, off)
     tensor_cores = _timed(lambda: sm.scaled_matmul(x, b), ref)
-    setattr(sm, max_m_name, original_max_m)
+    setattr(path, max_m_name, original_max_m)
     rows = []
     for shape in candidates:
-        setattr(sm, shapes_name, as_setting(shape))
+        setattr(path, shapes_name, as_setting(shape))
         rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), shape))
-    setattr(sm, shapes_name, original_shapes)
-    _print_rows(label, peer, tensor_cores, rows, kernel, by_graph=True)
+    setattr(path, shapes_name, original_shapes)
+    _print_rows(label, peer, tensor_cores, rows, path.__name__.rpartition(".")[2], by_graph=True)
 
 
 def _print_rows(label, peer, baseline, rows, kernel, by_graph):
@@ -111,7 +119,9 @@ def _print_rows(label, peer, baseline, rows, kernel, by_graph):
 
 def _timed(fn, ref):
     """(do_bench us, CUDA-graph us, relative error against ref) of fn, planned afresh."""
-    for plans in (sm._register_plans, sm._gemv_plans, sm._mma_plans, sm._wgmma_plans):
+    from tritonformer.ops.scaled_matmul import gemv, in_registers, mma, wgmma
+
+    for plans in (in_registers._register_plans, gemv._gemv_plans, mma._mma_plans, wgmma._wgmma_plans):
         plans.clear()
     out = fn()
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -125,14 +135,16 @@ MMA_SHAPES_WIDE = [(4, 1, 8), (4, 1, 16), (4, 2, 4), (4, 2, 8), (4, 2, 16), (8, 
 
 
 def sweep_mma(only):
-    sm.WGMMA_MIN_M = 1 << 30
+    from tritonformer.ops.scaled_matmul import mma, wgmma
+
+    wgmma.WGMMA_MIN_M = 1 << 30
     for fmt in ("nvfp4", "mxfp4"):
         for M in (64, 32, 16, 8, 2):
             for N in (8192, 28672):
                 # Every tile count of x takes the candidate: MMA_SHAPES is keyed by it.
-                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "mma", "MMA_MAX_M", "MMA_SHAPES",
+                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, mma, "MMA_MAX_M", "MMA_SHAPES",
                                      MMA_SHAPES if M <= 16 else MMA_SHAPES_WIDE,
-                                     lambda shape: dict.fromkeys(sm.MMA_SHAPES, shape))
+                                     lambda shape: dict.fromkeys(mma.MMA_SHAPES, shape))
 
 
 # (BLOCK_N, STAGES, programs an SM for split-K); a warpgroup per 64 rows of BLOCK_N.
@@ -141,20 +153,23 @@ WGMMA_CANDIDATES = [(64, 2, 8), (64, 3, 8), (64, 4, 8), (64, 6, 8), (64, 3, 4), 
 
 
 def sweep_wgmma(only):
+    from tritonformer.ops.scaled_matmul import wgmma
+
     # Every weight takes the candidate: small ones would otherwise keep WGMMA_SMALL_WEIGHT_SHAPE at 16 tokens.
-    sm.WGMMA_MIN_WEIGHT = 0
+    wgmma.WGMMA_MIN_WEIGHT = 0
     for fmt in ("nvfp4", "mxfp4"):
         for M in (64, 32, 16):
             for N in (8192, 28672):
                 # Every token count takes the candidate; the baseline (WGMMA_MIN_M past MMA_MAX_M) is the mma kernel.
-                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, "wgmma", "WGMMA_MIN_M", "WGMMA_SHAPES",
-                                     WGMMA_CANDIDATES, lambda shape: dict.fromkeys(sm.WGMMA_SHAPES, shape), off=1 << 30)
+                _sweep_kernel_shapes(f"bf16 x {fmt} M{M} N{N}", only, fmt, M, N, wgmma, "WGMMA_MIN_M", "WGMMA_SHAPES",
+                                     WGMMA_CANDIDATES, lambda shape: dict.fromkeys(wgmma.WGMMA_SHAPES, shape),
+                                     off=1 << 30)
     # mxfp8 has one shape for every token count; its baseline is the in-register kernel.
     for M in (64, 32, 16, 8, 4, 2):
         for N in (8192, 28672):
-            _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, "wgmma", "WGMMA_MIN_M",
+            _sweep_kernel_shapes(f"bf16 x mxfp8 M{M} N{N}", only, "mxfp8", M, N, wgmma, "WGMMA_MIN_M",
                                  "WGMMA_E4M3_SHAPES", WGMMA_CANDIDATES,
-                                 lambda shape: dict.fromkeys(sm.WGMMA_E4M3_SHAPES, shape), off=1 << 30)
+                                 lambda shape: dict.fromkeys(wgmma.WGMMA_E4M3_SHAPES, shape), off=1 << 30)
 
 
 # (tokens a program: WGMMA_MAX_TOKENS, then its shape) from 128 rows on, against the path each M takes without them.
@@ -164,6 +179,12 @@ WGMMA_TILE_CANDIDATES = [(128, (64, 3, 1)), (128, (64, 2, 1)), (128, (128, 2, 1)
 
 
 def sweep_wgmma_tiles(only):
+    from tritonformer import quant
+    from tritonformer.ops import scaled_matmul as sm
+    from tritonformer.ops.scaled_matmul import wgmma
+
+    saved_rows = wgmma.WGMMA_MIN_M, wgmma.WGMMA_MAX_M
+    saved_tiles = wgmma.WGMMA_MAX_TOKENS, dict(wgmma.WGMMA_SHAPES), dict(wgmma.WGMMA_E4M3_SHAPES)
     K = 8192
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for M in (128, 256, 512, 768, 1024):
@@ -176,51 +197,71 @@ def sweep_wgmma_tiles(only):
                 b = quant.quantize(w, fmt, axis=1)
                 ref = sm.scaled_matmul_reference(x, b, torch.float32)
                 peer = _timed(lambda: x @ w.t(), ref)
-                sm.WGMMA_MIN_M = 1 << 30
+                wgmma.WGMMA_MIN_M = 1 << 30
                 routed = _timed(lambda: sm.scaled_matmul(x, b), ref)
-                sm.WGMMA_MIN_M, sm.WGMMA_MAX_M = original_wgmma_rows[0], 1 << 30
+                wgmma.WGMMA_MIN_M, wgmma.WGMMA_MAX_M = saved_rows[0], 1 << 30
                 rows = []
                 for tokens, shape in WGMMA_TILE_CANDIDATES:
-                    sm.WGMMA_MAX_TOKENS = tokens
-                    sm.WGMMA_SHAPES = {**original_wgmma_tiles[1], tokens: shape}
-                    sm.WGMMA_E4M3_SHAPES = {**original_wgmma_tiles[2], tokens: shape}
+                    wgmma.WGMMA_MAX_TOKENS = tokens
+                    wgmma.WGMMA_SHAPES = {**saved_tiles[1], tokens: shape}
+                    wgmma.WGMMA_E4M3_SHAPES = {**saved_tiles[2], tokens: shape}
                     rows.append((*_timed(lambda: sm.scaled_matmul(x, b), ref), (tokens, *shape)))
-                sm.WGMMA_MAX_TOKENS, sm.WGMMA_SHAPES, sm.WGMMA_E4M3_SHAPES = original_wgmma_tiles
-                sm.WGMMA_MIN_M, sm.WGMMA_MAX_M = original_wgmma_rows
+                wgmma.WGMMA_MAX_TOKENS, wgmma.WGMMA_SHAPES, wgmma.WGMMA_E4M3_SHAPES = saved_tiles
+                wgmma.WGMMA_MIN_M, wgmma.WGMMA_MAX_M = saved_rows
                 _print_rows(label, peer, routed, rows, "tiles", by_graph=False)
 
 
-original = sm._launch_shape
-original_threshold = sm.DEQUANTIZE_FIRST_MIN_M
-original_wgmma_rows = sm.WGMMA_MIN_M, sm.WGMMA_MAX_M
-original_wgmma_tiles = sm.WGMMA_MAX_TOKENS, dict(sm.WGMMA_SHAPES), dict(sm.WGMMA_E4M3_SHAPES)
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-only = args[0] if args else ""
-for flag, sweep in (("--paths", sweep_paths), ("--gemv", sweep_gemv), ("--mma", sweep_mma), ("--wgmma", sweep_wgmma),
-                    ("--wgmma-tiles", sweep_wgmma_tiles)):
-    if flag in sys.argv:
-        sweep(only)
-        sys.exit()
-for label, M, N, K, fa, fb, shapes in CASES:
-    if only not in label:
-        continue
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    a = quant.quantize(x, fa) if fa else x
-    b = quant.quantize(w, fb, axis=1)
-    peer = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
-    flops = 2 * M * N * K
-    results = []
-    for shape in shapes:
-        sm._launch_shape = lambda m, shape=shape: shape
-        try:
-            ms = do_bench(lambda: sm.scaled_matmul(a, b), warmup=10, rep=50)
-        except Exception as e:  # noqa: BLE001 - a shape that fails to compile is a row
-            print(f"{label:28s} {shape} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+def sweep_shapes(only):
+    """Each of CASES' launch shapes of the in-register kernel, with the op's own split-K."""
+    from tritonformer import quant
+    from tritonformer.ops import scaled_matmul as sm
+    from tritonformer.ops.scaled_matmul import in_registers
+
+    saved = in_registers._launch_shape
+    for label, M, N, K, fa, fb, shapes in CASES:
+        if only not in label:
             continue
-        results.append((ms, shape))
-    sm._launch_shape = original
-    ms, shape = min(results)
-    row = " ".join(f"{s}:{t * 1e3:.0f}us" for t, s in results)
-    print(f"{label:28s} best {shape} {ms * 1e3:7.1f} us {flops / ms * 1e-9:6.0f} TFLOP/s | torch bf16 "
-          f"{peer * 1e3:7.1f} us -> {peer / ms:5.2f}x | {row}", flush=True)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        a = quant.quantize(x, fa) if fa else x
+        b = quant.quantize(w, fb, axis=1)
+        peer = do_bench(lambda: x @ w.t(), warmup=10, rep=50)
+        flops = 2 * M * N * K
+        results = []
+        for shape in shapes:
+            in_registers._launch_shape = lambda m, shape=shape: shape
+            try:
+                ms = do_bench(lambda: sm.scaled_matmul(a, b), warmup=10, rep=50)
+            except Exception as e:  # noqa: BLE001 - a shape that fails to compile is a row
+                print(f"{label:28s} {shape} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            results.append((ms, shape))
+        in_registers._launch_shape = saved
+        ms, shape = min(results)
+        row = " ".join(f"{s}:{t * 1e3:.0f}us" for t, s in results)
+        print(f"{label:28s} best {shape} {ms * 1e3:7.1f} us {flops / ms * 1e-9:6.0f} TFLOP/s | torch bf16 "
+              f"{peer * 1e3:7.1f} us -> {peer / ms:5.2f}x | {row}", flush=True)
+
+
+SWEEPS = {  # --flag: (sweep, what it times)
+    "paths": (sweep_paths, "in registers against dequantize first, over M"),
+    "gemv": (sweep_gemv, "the M = 1 kernel's shapes (GEMV_SHAPE)"),
+    "mma": (sweep_mma, "the few-rows mma.sync kernel's shapes (MMA_SHAPES)"),
+    "wgmma": (sweep_wgmma, "the Hopper few-rows kernel's shapes (WGMMA_SHAPES, WGMMA_E4M3_SHAPES)"),
+    "wgmma-tiles": (sweep_wgmma_tiles, "the Hopper kernel's tiles of x from 128 rows on (WGMMA_MAX_TOKENS)"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    for name, (sweep, what) in SWEEPS.items():
+        which.add_argument(f"--{name}", dest="sweep", action="store_const", const=sweep, default=sweep_shapes,
+                           help=what)
+    parser.add_argument("only", nargs="?", default="", metavar="ONLY", help="a substring of the case labels to run")
+    args = parser.parse_args()
+    args.sweep(args.only)
+
+
+if __name__ == "__main__":
+    main()

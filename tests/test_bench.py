@@ -11,7 +11,7 @@ from tritonformer import registry, runtime
 from tritonformer.__main__ import main
 from tritonformer.bench import runner
 from tritonformer.bench.report import summary_table
-from tritonformer.ops import add
+from tritonformer.cases import add
 from tritonformer.spec import Bench, BenchCase, OpSpec
 
 

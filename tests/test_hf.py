@@ -94,7 +94,7 @@ def _relative_error(a, b):
 def test_bf16_model_is_as_close_to_float32_as_hf_in_bf16(device):
     """Ours and HF's bf16 runs each differ from the float32 model by bf16 rounding: ours may not
     be further off than twice HF's own distance (or 1% for gradients); three times under the
-    interpreter, which rounds float32 to bfloat16 by truncation (docs/perf-notes.md)."""
+    interpreter, which rounds float32 to bfloat16 by truncation (docs/runtime.md)."""
     model, reference = _models("llama", torch.bfloat16)
     exact = copy.deepcopy(reference).float()
     ids = _ids(device)
@@ -384,37 +384,44 @@ def test_unpatch_restores_a_custom_loss_function():
     assert model.loss_function is my_loss
 
 
-@gpu_only
-def test_kernels_compiled_ahead_of_a_first_step_are_the_ones_it_launches(device):
-    # Dims no other test uses, so that the step's kernels are new to this process.
-    model, _ = _models("llama", torch.bfloat16, hidden_size=160, num_attention_heads=5, num_key_value_heads=1,
-                       intermediate_size=352)
+@pytest.mark.parametrize("family", list(hf.FAMILIES))
+def test_the_warm_up_readies_every_kernel_a_first_step_launches(family, device, monkeypatch):
+    # Launchers that start empty, and dims no other test (or family) uses, so that no launch
+    # replays a plan made before: every kernel the step launches is counted.
+    for launcher in runtime.FastLaunch.instances:
+        monkeypatch.setattr(launcher, "entries", {})
+        monkeypatch.setattr(launcher, "compiling", {})
+    for launcher in runtime.TunedLauncher.instances:
+        monkeypatch.setattr(launcher, "chosen", {})
+        monkeypatch.setattr(launcher, "compiling", {})
+    heads = 5 + list(hf.FAMILIES).index(family)
+    model, _ = _models(family, torch.bfloat16, hidden_size=32 * heads, num_attention_heads=heads, num_key_value_heads=1,
+                       intermediate_size=64 * heads + 32)
     model.to(device).train()
     B, S = 2, 40
-    flag = runtime._COMPILE_ONLY.set(True)
-    try:
-        hf._compile_step_kernels(model, hf.FAMILIES["llama"], B, S)
-    finally:
-        runtime._COMPILE_ONLY.reset(flag)
-
-    # An autotuned kernel's FastLaunch entries are its chosen configs: TunedLauncher.chosen counts them.
-    tuned = {id(t.launch) for t in runtime.TunedLauncher.instances}
-    plain = [launcher for launcher in runtime.FastLaunch.instances if id(launcher) not in tuned]
-
-    def keys(launchers, attr):
-        return {(launcher.__class__.__name__, id(launcher), key) for launcher in launchers
-                for key in getattr(launcher, attr)}
-
-    ahead = keys(plain, "compiling") | keys(runtime.TunedLauncher.instances, "compiling")
-    for launcher in plain:
-        for future in launcher.compiling.values():
-            assert future.exception() is None
-    before = keys(plain, "entries") | keys(runtime.TunedLauncher.instances, "chosen")
+    failures = runtime.background_failures
+    runtime.compile_only(hf._warm_step, model, hf.FAMILIES[family], B, S)
+    runtime.wait_for_background_work()
+    assert runtime.background_failures == failures
+    ahead = runtime.launched_ahead()
     ids = _ids(device, B, S)
     model(input_ids=ids, labels=ids).loss.backward()
-    launched = (keys(plain, "entries") | keys(runtime.TunedLauncher.instances, "chosen")) - before
+    launched = runtime.launch_keys()
     assert len(launched) >= 10  # norm, rope, attention (4), swiglu, loss (3), each way
     assert launched <= ahead, sorted(map(str, launched - ahead))
+
+
+def test_a_failed_background_compile_is_counted_and_logged(caplog):
+    failures = runtime.background_failures
+
+    def broken():
+        raise TypeError("a warm-up that no longer fits its launcher")
+
+    with caplog.at_level("DEBUG", logger="tritonformer"):
+        runtime._in_background(runtime._ahead_pool(), broken)
+        runtime.wait_for_background_work()
+    assert runtime.background_failures == failures + 1
+    assert "no longer fits" in caplog.text
 
 
 def test_training_steps_share_positions_and_rotary_tables(device, monkeypatch):

@@ -4,6 +4,7 @@ import torch
 import tritonformer as tf
 from tritonformer import nn
 from tritonformer.ops import matmul as matmul_op
+from tritonformer.ops.matmul import split_inside
 from tritonformer.testing import assert_close
 
 from helpers import compile_fullgraph, foreign_device_tensor
@@ -228,8 +229,8 @@ def test_split_inside_kernel_takes_few_tiles(layout, dtype, device, monkeypatch)
     column-major (read in place: M and K are multiples of 8), an M that is not a multiple of the
     tile, bias, GELU with its pre-activation saved for the gradients, then replayed on new data."""
     planned = []
-    launch = matmul_op._launch_split_inside
-    monkeypatch.setattr(matmul_op, "_launch_split_inside", lambda *args: planned.append(args[9:12]) or launch(*args))
+    launch = split_inside.launch
+    monkeypatch.setattr(split_inside, "launch", lambda *args: planned.append(args[9:12]) or launch(*args))
     matmul_op._replays.clear()
     M, N, K = 120, 4000, 1536
     for call in range(2):

@@ -138,10 +138,8 @@ def test_compiles_without_graph_breaks(device, fn):
         assert_close(g, e.double(), torch.float32, "norm")
 
 
-@pytest.mark.parametrize("variant", ["looped", "split"])
-def test_layer_norm_backward_of_wide_rows(device, monkeypatch, variant):
+def test_layer_norm_backward_of_wide_rows(device, monkeypatch):
     monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
-    monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", variant)
     x = torch.randn(9, 100, device=device, requires_grad=True)
     w = torch.randn(100, device=device, requires_grad=True)
     b = torch.randn(100, device=device, requires_grad=True)
@@ -202,7 +200,6 @@ def _split_backward(monkeypatch, **cfg):
     cfg); returns the list that each launch of its second kernel appends its grid to."""
     monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", 64)
     monkeypatch.setattr(norm, "FUSED_MAX_N", 64)  # the no-bias threshold
-    monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", "split")
     monkeypatch.setattr(norm, "LAYER_NORM_SPLIT", dict(SMALL_SPLIT, **cfg))
     grids, launch = [], norm._launch_ln_cols
 
@@ -316,9 +313,9 @@ def test_layer_norm_split_backward_is_deterministic_and_resets_its_counters(devi
 
 def test_layer_norm_split_backward_of_a_large_mean(device, monkeypatch):
     """mean(g * xhat) from x - mean, not from sum(g * x) - mean * sum(g), which cancels: no
-    further from float64 than the looped kernel (both start from the forward's float32 mean,
-    itself off by up to half an ulp of 1000, which is why fp32's norm-wise bound is missed)."""
-    _split_backward(monkeypatch)
+    further from float64 than the in-register backward (both start from the forward's float32
+    mean, itself off by up to half an ulp of 1000, which is why fp32's norm-wise bound is missed)."""
+    grids = _split_backward(monkeypatch)
     x = (torch.randn(37, 101, device=device) + 1e3).requires_grad_(True)
     w = torch.randn(101, device=device, requires_grad=True)
     b = torch.randn(101, device=device, requires_grad=True)
@@ -327,13 +324,15 @@ def test_layer_norm_split_backward_of_a_large_mean(device, monkeypatch):
     expected = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], (101,), leaves[1], leaves[2]), leaves,
                                    dy.double())
     errors = {}
-    for variant in ("split", "looped"):
-        monkeypatch.setattr(norm, "LAYER_NORM_WIDE_BWD", variant)
+    for path, max_n in (("split", 64), ("registers", 128)):
+        monkeypatch.setattr(norm, "LAYER_NORM_BWD_MAX_N", max_n)
+        norm._bwd_plans.clear()  # one signature: the second path must not replay the first's plan
         grads = torch.autograd.grad(tritonformer.layer_norm(x, w, b), (x, w, b), dy)
-        errors[variant] = [rel_err(g, e) for g, e in zip(grads, expected)]
+        errors[path] = [rel_err(g, e) for g, e in zip(grads, expected)]
+    assert len(grids) == 1  # the split backward ran once
     assert errors["split"][0] <= 2e-5  # dx
-    for split, looped in zip(errors["split"], errors["looped"]):
-        assert split <= 1.5 * looped + 1e-7, errors
+    for split, registers in zip(errors["split"], errors["registers"]):
+        assert split <= 1.5 * registers + 1e-7, errors
 
 
 @pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs in one process")

@@ -3,6 +3,7 @@ import torch
 
 import tritonformer as tf
 from tritonformer import nn
+from tritonformer.cases.rope import random_heads
 from tritonformer.ops import rope as rope_op
 from tritonformer.testing import assert_close
 
@@ -43,7 +44,7 @@ def test_backward_is_the_transposed_rotation(device):
 def small_tiles(monkeypatch):
     """Tiles of a few positions and two heads, chunks of four heads: many position blocks, several
     steps a program and partial steps, on shapes the interpreter runs quickly."""
-    monkeypatch.setattr(rope_op, "LAUNCH", {False: (256, 2, 4, 4, 2), True: (256, 2, 4, 4, 2)})
+    monkeypatch.setattr(rope_op, "LAUNCH", (256, 2, 4, 4, 2))
     # (B, H, S, D) contiguous would take the flat kernel: keep these on the head-walking one.
     monkeypatch.setattr(rope_op, "FLAT_BHSD", False)
     # The chunking depends on the SM count: fix it so that the GPU runs the same shapes.
@@ -60,7 +61,7 @@ def test_many_blocks_steps_and_chunks(dtype, layout, device, small_tiles):
     q.requires_grad_(True)
     k.requires_grad_(True)
     _, _, n_blocks, per_program, q_chunks, n_chunks, _, _, _ = rope_op._launch_shape(
-        2, 7, 7, 5, 16, dtype.itemsize, layout == "bshd", 0)
+        2, 7, 7, 5, 16, dtype.itemsize, 0)
     assert n_blocks > 1 and (per_program, q_chunks, n_chunks) == (4, 2, 4)
     outs = tf.apply_rope(q, k, cos, sin, layout)
     for out, exp in zip(outs, _reference(q.detach(), k.detach(), cos, sin, layout)):
@@ -80,12 +81,12 @@ def flat_calls(monkeypatch):
     calls = []
     launch = rope_op._launch_flat
 
-    def spy(q, k, q_out, k_out, cos, sin, Hk, backward, launch_cfg=None):
+    def spy(q, k, q_out, k_out, cos, sin, Hk, backward):
         calls.append((Hk, all(map(rope_op._dense, (q, k, q_out, k_out)))))
-        return launch(q, k, q_out, k_out, cos, sin, Hk, backward, launch_cfg)
+        return launch(q, k, q_out, k_out, cos, sin, Hk, backward)
 
     monkeypatch.setattr(rope_op, "_launch_flat", spy)
-    monkeypatch.setattr(rope_op, "FLAT_LAUNCH", {**rope_op.FLAT_LAUNCH, "tile_bytes": 256})
+    monkeypatch.setattr(rope_op, "FLAT_TILE_BYTES", 256)
     return calls
 
 
@@ -155,20 +156,6 @@ def test_flat_path_equals_head_walking_path(dtype, device, monkeypatch):
             assert_close(a, b.double(), dtype)
 
 
-@pytest.mark.parametrize("evict", [True, False])
-def test_flat_launch_candidates_run(evict, device):
-    # What scripts/probe_rope.py times: each tile size, with and without eviction hints.
-    q, k, cos, sin = _inputs(device, B=2, Hq=4, Hk=2, S=5, D=16, dtype=torch.bfloat16)
-    expected = _reference(q, k, cos, sin)
-    for launch in rope_op.FLAT_CANDIDATES:
-        if launch["evict"] != evict:
-            continue
-        q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-        rope_op._launch_flat(q, k, q_out, k_out, cos, sin, k.shape[1], False, launch)
-        assert_close(q_out, expected[0], torch.bfloat16)
-        assert_close(k_out, expected[1], torch.bfloat16)
-
-
 def test_flat_path_in_place(device, flat_calls):
     # Without grad: q and k in one launch, non-dense views written where they lie. With grad:
     # one launch each (Hk 0), backward of q alone (dk None) writing a fresh dq.
@@ -218,8 +205,8 @@ def test_flat_path_64_bit_offsets(device, monkeypatch, flat_calls):
 @pytest.mark.parametrize("layout,view", [("bhsd", "transposed"), ("bhsd", "sliced"), ("bhsd", "strided"),
                                          ("bshd", None)])
 def test_other_layouts_take_the_head_walking_path(layout, view, device, flat_calls):
-    q = rope_op._heads((2, 3, 6, 8), layout, torch.float32, device, view)
-    k = rope_op._heads((2, 1, 6, 8), layout, torch.float32, device)
+    q = random_heads((2, 3, 6, 8), layout, torch.float32, device, view)
+    k = random_heads((2, 1, 6, 8), layout, torch.float32, device)
     cos, sin = _tables(2, 6, 8, device, "shared")
     outs = tf.apply_rope(q, k, cos, sin, layout)
     assert flat_calls == []

@@ -10,7 +10,7 @@ import torch
 from conftest import gpu_only
 from helpers import compile_fullgraph
 from tritonformer import quant, runtime
-from tritonformer.ops import scaled_matmul as sm
+from tritonformer.ops.scaled_matmul import dequantize_first, dot_scaled, wgmma
 from tritonformer.ops.scaled_matmul import scaled_matmul, scaled_matmul_reference
 
 
@@ -53,24 +53,24 @@ def test_few_rows_every_code_byte_and_split_k(fmt, M, N, K, device):
 def test_wgmma_kernel_up_to_16_rows(fmt, large_weight_shape, M, N, K, device, monkeypatch):
     # 16 tokens a program, on the small weights' launch shape and on the large ones' (more splits of K).
     if large_weight_shape:
-        monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
-    sm._wgmma_plans.clear()
+        monkeypatch.setattr(wgmma, "WGMMA_MIN_WEIGHT", 0)
+    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    sm._wgmma_plans.clear()
+    wgmma._wgmma_plans.clear()
 
 
 def test_wgmma_shape_takes_the_small_weights_shape_only_up_to_32_tokens():
     # Which launch shape each token count takes on fp4 weights around the size thresholds.
-    small = sm.WGMMA_SMALL_WEIGHT_SHAPE
+    small = wgmma.WGMMA_SMALL_WEIGHT_SHAPE
     for fmt in ("nvfp4", "mxfp4"):
-        assert sm._wgmma_shape(fmt, 16, 4096, 4096) == small
-        assert sm._wgmma_shape(fmt, 32, 4096, 4096) == sm.WGMMA_SHAPES[32]
-        assert sm._wgmma_shape(fmt, 32, 8192, 8192) == small
+        assert wgmma._wgmma_shape(fmt, 16, 4096, 4096) == small
+        assert wgmma._wgmma_shape(fmt, 32, 4096, 4096) == wgmma.WGMMA_SHAPES[32]
+        assert wgmma._wgmma_shape(fmt, 32, 8192, 8192) == small
         for tokens in (64, 128):
-            assert sm._wgmma_shape(fmt, tokens, 8192, 8192) == sm.WGMMA_SHAPES[tokens]
+            assert wgmma._wgmma_shape(fmt, tokens, 8192, 8192) == wgmma.WGMMA_SHAPES[tokens]
         for tokens in (16, 32, 64, 128):
-            assert sm._wgmma_shape(fmt, tokens, 28672, 8192) == sm.WGMMA_SHAPES[tokens]
-    assert sm._wgmma_shape("mxfp8", 32, 8192, 8192) == sm.WGMMA_E4M3_SHAPES[32]
+            assert wgmma._wgmma_shape(fmt, tokens, 28672, 8192) == wgmma.WGMMA_SHAPES[tokens]
+    assert wgmma._wgmma_shape("mxfp8", 32, 8192, 8192) == wgmma.WGMMA_E4M3_SHAPES[32]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
@@ -79,10 +79,10 @@ def test_wgmma_shape_takes_the_small_weights_shape_only_up_to_32_tokens():
 def test_wgmma_kernel_small_weights_at_32_tokens(fmt, M, N, K, device, monkeypatch):
     # 32 tokens a program (x by TMA) on the small weights' launch shape, which weights past
     # WGMMA_SMALL_WEIGHT_FROM[32] elements take; here every weight does.
-    monkeypatch.setitem(sm.WGMMA_SMALL_WEIGHT_FROM, 32, 0)
-    sm._wgmma_plans.clear()
+    monkeypatch.setitem(wgmma.WGMMA_SMALL_WEIGHT_FROM, 32, 0)
+    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    sm._wgmma_plans.clear()
+    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
@@ -92,13 +92,13 @@ def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
     # 128 rows of B a program on two warpgroups sharing x's tile: the library takes it when the
     # tiles fill the SMs (N past 16384 on an H100), from 64 tokens for fp4 weights; here every
     # token count and small N are sent there, with K split at 2048.
-    monkeypatch.setattr(sm, "WGMMA_MIN_WEIGHT", 0)
-    monkeypatch.setattr(sm, "WGMMA_SHAPES", dict.fromkeys(sm.WGMMA_SHAPES, (128, 3, 8)))
-    monkeypatch.setattr(sm, "WGMMA_E4M3_SHAPES", dict.fromkeys(sm.WGMMA_E4M3_SHAPES, (128, 3, 8)))
-    monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
-    sm._wgmma_plans.clear()
+    monkeypatch.setattr(wgmma, "WGMMA_MIN_WEIGHT", 0)
+    monkeypatch.setattr(wgmma, "WGMMA_SHAPES", dict.fromkeys(wgmma.WGMMA_SHAPES, (128, 3, 8)))
+    monkeypatch.setattr(wgmma, "WGMMA_E4M3_SHAPES", dict.fromkeys(wgmma.WGMMA_E4M3_SHAPES, (128, 3, 8)))
+    monkeypatch.setattr(runtime, "num_sms", lambda device_index=0: 1)
+    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    sm._wgmma_plans.clear()
+    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
@@ -108,12 +108,12 @@ def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
 def test_wgmma_kernel_token_tiles(fmt, M, N, K, split, device, monkeypatch):
     # Past WGMMA_MAX_TOKENS rows x comes in tiles, one a program along the grid's first axis;
     # here with K split at 1024 (and B's rows at 64 a program) and without, and past WGMMA_MAX_M.
-    monkeypatch.setattr(sm, "WGMMA_MAX_M", 1 << 30)
+    monkeypatch.setattr(wgmma, "WGMMA_MAX_M", 1 << 30)
     if not split:
-        monkeypatch.setattr(sm.runtime, "num_sms", lambda device_index=0: 1)
-    sm._wgmma_plans.clear()
+        monkeypatch.setattr(runtime, "num_sms", lambda device_index=0: 1)
+    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    sm._wgmma_plans.clear()
+    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 100, 520])
@@ -133,7 +133,7 @@ def test_wgmma_x_columns_follow_the_decoded_order_of_b(fmt):
     # The wgmma kernel's copy of x: each step of 128 columns in the order in which a thread's
     # decoded words of B meet the tensor cores. fp4: words of a scale block (WPT) a thread, eight
     # codes a word; e4m3: eight words a thread, four codes a word, a word's codes in one k16 chunk.
-    columns = sm._wgmma_x_columns(256, fmt, "cpu").tolist()
+    columns = wgmma._wgmma_x_columns(256, fmt, "cpu").tolist()
     if fmt == "mxfp8":
         expected = [128 * step + 32 * t + 4 * c + 2 * p + h
                     for step in range(2) for c in range(8) for p in range(2) for t in range(4) for h in range(2)]
@@ -200,16 +200,16 @@ def test_sm100_takes_block_scaled_mma_for_both_operands_quantized(monkeypatch):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     monkeypatch.setattr(runtime, "capability", lambda device_index=0: (10, 0))
     q = {fmt: quant.quantize_reference(torch.randn(4, 64), fmt, axis=1) for fmt in quant.FORMATS}
-    M = sm.DOT_SCALED_MIN_M
+    M = dot_scaled.DOT_SCALED_MIN_M
     for a_fmt, b_fmt in [("mxfp8", "mxfp8"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp4"), ("mxfp4", "mxfp8"),
                          ("nvfp4", "nvfp4")]:
-        assert sm._native_block_scaled(a_fmt, q[b_fmt], M), (a_fmt, b_fmt)
-        assert not sm._native_block_scaled(a_fmt, q[b_fmt], M - 1), (a_fmt, b_fmt)
+        assert dot_scaled.fits(a_fmt, q[b_fmt], M), (a_fmt, b_fmt)
+        assert not dot_scaled.fits(a_fmt, q[b_fmt], M - 1), (a_fmt, b_fmt)
     # One MMA has one kind of scale; bf16 activations have none.
     for a_fmt, b_fmt in [("nvfp4", "mxfp4"), ("mxfp8", "nvfp4"), ("bf16", "mxfp4"), ("bf16", "nvfp4")]:
-        assert not sm._native_block_scaled(a_fmt, q[b_fmt], M), (a_fmt, b_fmt)
+        assert not dot_scaled.fits(a_fmt, q[b_fmt], M), (a_fmt, b_fmt)
     monkeypatch.setattr(runtime, "capability", lambda device_index=0: (9, 0))
-    assert not sm._native_block_scaled("mxfp8", q["mxfp8"], M)
+    assert not dot_scaled.fits("mxfp8", q["mxfp8"], M)
 
 
 def test_sm100_kernel_compiles_to_block_scaled_mma():
@@ -233,12 +233,12 @@ def test_sm100_kernel_on_this_gpu(fmt_a, fmt_b, M, N, K, out_dtype, device, monk
     # upcast to bf16 in shared memory (two stages fit there). It cannot upcast nvfp4's e4m3
     # scales: test_sm100_kernel_compiles_to_block_scaled_mma covers that pair. Shapes: a tail of K
     # (and of the scales' 4-column chunks), M and N past and under a tile.
-    monkeypatch.setattr(sm, "DOT_SCALED_TILE", (128, 256, 2))
+    monkeypatch.setattr(dot_scaled, "DOT_SCALED_TILE", (128, 256, 2))
     a = quant.quantize(torch.randn(M, K, device=device), fmt_a)
     b = quant.quantize(torch.randn(N, K, device=device) * 3, fmt_b, axis=1)
     bias = torch.randn(N, device=device)
     c = torch.full((M, N), float("nan"), device=device, dtype=out_dtype)
-    sm._dot_scaled(a, b, c, M, N, K, bias, None)
+    dot_scaled.run(a, b, c, M, N, K, bias, None)
     ref = scaled_matmul_reference(a, b, torch.float32, bias=bias)
     assert _relative_error(c, ref) <= (1e-5 if out_dtype == torch.float32 else 4e-3)
 
@@ -248,9 +248,9 @@ def test_sm100_kernel_on_this_gpu(fmt_a, fmt_b, M, N, K, out_dtype, device, monk
 def test_dequantize_first_path_in_slabs(fmt_a, fmt_b, device, monkeypatch):
     # Every M takes the dequantize-then-matmul path, with B in slabs of 256 rows (the last one
     # partial), bias and nvfp4's tensor scales applied in the matmul's epilogue.
-    monkeypatch.setattr(sm, "DEQUANTIZE_FIRST_MIN_M", 1)
-    monkeypatch.setattr(sm, "WGMMA_MIN_M", 1 << 30)  # which takes bf16 activations before it on Hopper
-    monkeypatch.setattr(sm, "DEQUANTIZE_SLAB_BYTES", 1)
+    monkeypatch.setattr(dequantize_first, "DEQUANTIZE_FIRST_MIN_M", 1)
+    monkeypatch.setattr(wgmma, "WGMMA_MIN_M", 1 << 30)  # which takes bf16 activations before it on Hopper
+    monkeypatch.setattr(dequantize_first, "DEQUANTIZE_SLAB_BYTES", 1)
     M, N, K = 19, 600, 64
     x = torch.randn(M, K, device=device)
     a = quant.quantize(x, fmt_a) if fmt_a else x.to(torch.bfloat16)
@@ -318,7 +318,7 @@ def test_scaled_matmul_under_torch_compile(fmt, device):
     layer = tnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 40).to(device), fmt)
     x = torch.randn(2, 3, 256, device=device).to(torch.bfloat16)
     assert torch.equal(compile_fullgraph(layer)(x), layer(x))
-    if sm._wgmma_fits(layer.weight, 6, 256):
+    if wgmma.fits(layer.weight, 6, 256):
         assert layer.weight_scales.untyped_storage() in quant._SCALE_COPIES
     a = quant.quantize(torch.randn(5, 256, device=device), fmt, axis=1)
     w = layer.weight

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ops import add, attention, cross_entropy, matmul, norm, rope, scaled_matmul, softmax, swiglu
+from .cases import add, attention, cross_entropy, matmul, norm, rope, scaled_matmul, softmax, swiglu
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (

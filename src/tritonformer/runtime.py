@@ -12,6 +12,7 @@ import functools
 import hashlib
 import inspect
 import json
+import logging
 import math
 import os
 import threading
@@ -158,10 +159,33 @@ _background_lock = threading.Lock()
 
 
 def _in_background(pool: ThreadPoolExecutor, fn: Callable, *args) -> Future:
-    future = pool.submit(fn, *args)
+    future = pool.submit(_counting_failure, fn, *args)
     with _background_lock:
         _background_jobs[:] = [f for f in _background_jobs if not f.done()]
         _background_jobs.append(future)
+    return future
+
+
+_log = logging.getLogger("tritonformer")
+# Background compiles that raised: a warm-up whose call no longer fits its launcher shows here
+# (and in the debug log) instead of silently compiling nothing.
+background_failures = 0
+
+
+def _counting_failure(fn: Callable, *args):
+    global background_failures
+    try:
+        return fn(*args)
+    except Exception:
+        with _background_lock:
+            background_failures += 1
+        _log.debug("tritonformer: a background compile failed", exc_info=True)
+        raise
+
+
+def _done_future() -> Future:
+    future = Future()
+    future.set_result(None)
     return future
 
 
@@ -179,25 +203,101 @@ def wait_for_background_work() -> None:
 
 
 def compile_ahead(key, fn: Callable, *args) -> None:
-    """Run `fn(*args)` once per key in a background thread in which launches only compile: a
-    forward's first call readies its backward's kernels while the forward goes on (the first
-    training step's warm-up). Its launches hand their compiles to the compile pool and return,
-    and a real launch of the same kernel waits for that compile instead of starting its own. A
-    failure there is dropped: the real call compiles again and reports it."""
+    """Run `fn(*args)` once per key in a background thread in which launches only compile (see
+    compile_only): a forward's first call readies its backward's kernels while the forward goes
+    on (the first training step's warm-up). Its launches hand their compiles to the compile pool
+    and return, and a real launch of the same kernel waits for that compile instead of starting
+    its own. A failure is logged at debug level and counted in `background_failures`; the real
+    call compiles again and reports it."""
     if INTERPRET or torch.compiler.is_compiling() or key in _compiled_ahead:
         return
     _compiled_ahead.add(key)
     device = torch.cuda.current_device()
 
     def job():
-        _COMPILE_ONLY.set(True)
-        try:
-            with torch.cuda.device(device):
-                fn(*args)
-        except Exception:  # noqa: BLE001  (see the docstring)
-            pass
+        with torch.cuda.device(device):
+            compile_only(fn, *args)
 
     _in_background(_ahead_pool(), job)
+
+
+def compile_only(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` with every launch in it only compiling its kernel (on the GPU, in the
+    compile pool) and launching nothing, its outputs left unwritten; under the interpreter, which
+    compiles nothing, a launch only notes its kernel and arguments. An op's `warm` entry runs in
+    this mode: `launched_ahead()` then lists what it readied."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def warm(op: Callable, *args, **kwargs) -> None:
+    """Ready the kernels of `op(*args, **kwargs)` and of its backward without launching any (see
+    compile_only), on example tensors laid out as the real call's, those that will need a
+    gradient requiring one: every op is its own warm-up entry, through the code a real call
+    runs (`apply` takes the backward's place), so a warm-up cannot drift from the launches it
+    readies. An HF model's first training step warms its ops this way (integrations.hf)."""
+    compile_only(op, *args, **kwargs)
+
+
+def apply(function: type[torch.autograd.Function], *args):
+    """`function.apply(*args)`, the call an op makes where it needs autograd. In compile_only mode
+    (an op's warm-up) it runs the function's forward and then its backward, on unwritten
+    gradients laid out as the outputs, outside autograd, whose engine would run the backward on
+    threads of its own where launches are real."""
+    if torch.compiler.is_compiling() or not _COMPILE_ONLY.get():
+        return function.apply(*args)
+    ctx = _WarmContext(args)
+    outputs = function.forward(ctx, *args)
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    # A Function that takes None for an unused output's gradient gets one for its first output
+    # alone: its others are auxiliary (attention's lse), unused by a training step.
+    grads = [torch.empty_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point()
+             and (ctx.materialize_grads or i == 0) else None for i, o in enumerate(outs)]
+    function.backward(ctx, *grads)
+    return outputs
+
+
+class _WarmContext:
+    """What an autograd Function's forward and backward use of their ctx, for `apply`'s warm-up."""
+
+    def __init__(self, args: tuple):
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.saved_tensors: tuple = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+def launch_keys() -> set[tuple]:
+    """(launcher, key) for every kernel specialization launched so far in this process (an
+    autotuned kernel's by its tuning key): what a warm-up must have readied."""
+    return _keys("chosen", "entries")
+
+
+def launched_ahead() -> set[tuple]:
+    """launch_keys()'s (launcher, key) for the launches made in compile_only mode so far."""
+    return _keys("compiling", "compiling")
+
+
+def _keys(tuned_attr: str, plain_attr: str) -> set[tuple]:
+    # An autotuned kernel's FastLaunch holds one entry per chosen config: its TunedLauncher's tuning
+    # key stands for them.
+    tuned = {id(t.launch) for t in TunedLauncher.instances}
+    keys = {(id(t), key) for t in TunedLauncher.instances for key in getattr(t, tuned_attr)}
+    return keys | {(id(f), key) for f in FastLaunch.instances if id(f) not in tuned for key in getattr(f, plain_attr)}
 
 
 def specialization_class(arg):
@@ -287,10 +387,11 @@ class FastLaunch:
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
             if entry is None and key not in self.compiling:
-                self.compiling[key] = _in_background(_compile_pool(), _warmup, self.kernel, device, grid, args, kwargs)
+                self.compiling[key] = (_done_future() if INTERPRET else
+                                       _in_background(_compile_pool(), _warmup, self.kernel, device, grid, args, kwargs))
             return entry
         if entry is None:
-            pending = self.compiling.pop(key, None)
+            pending = self.compiling.get(key)
             if pending is not None:
                 pending.exception()  # compiled ahead: the launch below finds it in Triton's cache
             if device is not None:
@@ -448,9 +549,11 @@ class TunedLauncher:
     def _compile_candidates(self, key, grid, candidates, arguments: Callable) -> None:
         """Compile the candidates side by side and wait for them; in compile_ahead's thread, only
         start them."""
-        if INTERPRET:
-            return
         futures = self.compiling.get(key)
+        if INTERPRET:
+            if _COMPILE_ONLY.get():
+                self.compiling[key] = []  # nothing to compile: the key notes what was readied
+            return
         if futures is None:
             device = torch.cuda.current_device()
             futures = self.compiling[key] = []

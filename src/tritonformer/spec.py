@@ -1,4 +1,5 @@
-"""The records that an op file fills in and the registry collects: what to test, what to time."""
+"""The records that a case module (`cases/<op>.py`) fills in and the registry collects: what to test,
+what to time; and the short dtype names that cases and the harness both print."""
 
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ from typing import Any, Callable
 import torch
 
 Thunk = Callable[[], Any]
+
+_SHORT_DTYPE_NAMES = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8e4m3",
+    torch.float8_e5m2: "fp8e5m2",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+}
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)

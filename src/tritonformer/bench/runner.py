@@ -20,7 +20,7 @@ import torch
 import triton
 
 from .. import runtime
-from ..spec import Bench, BenchCase, OpSpec
+from ..spec import Bench, BenchCase, OpSpec, short_dtype
 from ..testing import check_close
 
 OURS = "tritonformer"
@@ -39,18 +39,6 @@ COLUMNS = [
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-_SHORT_DTYPE_NAMES = {
-    torch.float64: "fp64",
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float8_e4m3fn: "fp8e4m3",
-    torch.float8_e5m2: "fp8e5m2",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int8: "i8",
-}
-
 # The interpreter runs a kernel in seconds: a few calls are enough to see the order of magnitude.
 INTERPRETER_MAX_CALLS = 3
 INTERPRETER_BUDGET_S = 1.0
@@ -68,10 +56,6 @@ FP8_CEILING_SIZE = 8192
 
 class UnknownOpError(ValueError):
     pass
-
-
-def short_dtype(dtype: torch.dtype) -> str:
-    return _SHORT_DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def device_slug(device_name: str) -> str:

@@ -61,10 +61,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op
-from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy, fused_linear_cross_entropy_fwd, scale_
-from ..ops.norm import add_norm_fwd, add_rms_norm, norm_bwd, norm_fwd, rms_norm
-from ..ops.rope import apply_rope, qkv_rope, qkv_rope_bwd, qkv_rope_fwd, rope_bwd, rope_fwd
-from ..ops.swiglu import swiglu, swiglu_bwd, swiglu_fwd, swiglu_mlp
+from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from ..ops.norm import add_rms_norm, rms_norm
+from ..ops.rope import apply_rope, qkv_rope
+from ..ops.swiglu import swiglu, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
 IGNORE_INDEX = -100
@@ -366,66 +366,68 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _compile_step_kernels(model: torch.nn.Module, family: Family, batch: int, seq: int) -> None:
-    """Start compiling the Triton kernels of a training step of `model` on (batch, seq) tokens:
-    launches in runtime.compile_ahead's thread only compile, on empty tensors laid out as the
-    step's own (their strides and sizes select the same kernels). A first step then waits for
-    the slowest of these compiles rather than for their sum. A guess that misses (another
-    layout, say) costs a compile, never a wrong result: the real launch compiles its own."""
+def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> None:
+    """Ready the Triton kernels of a training step of `model` on (batch, seq) tokens: each op of
+    the step's first layer and its loss, called as the patched forward calls it, goes through
+    runtime.warm (its launches only compile) on unwritten tensors laid out as the step's own
+    activations, with the model's own parameters. A first step then waits for the slowest of
+    these compiles rather than for their sum. A guess that misses (another layout, say) costs a
+    compile, never a wrong result: the real launch compiles its own."""
     config = model.config
     dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
-    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hidden_size, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_dim = _head_dim(config)
-    tokens = batch * seq
+    layer = model.model.layers[0]
 
-    x = torch.empty(tokens, hidden, dtype=dtype, device=device)
-    norm_weight = torch.empty(hidden, dtype=dtype, device=device)
-    y, stats = norm_fwd(x, norm_weight, None, 1e-6, family.norm_offset, True, dtype)
-    norm_bwd(y, x, norm_weight, None, stats, family.norm_offset, True, dtype)
+    def activation(*shape):
+        return torch.empty(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    x = activation(batch, seq, hidden_size)
+    norm = layer.input_layernorm
+    runtime.warm(rms_norm, x, norm.weight, getattr(norm, family.norm_eps), family.norm_offset)
+    norm = layer.post_attention_layernorm
     if family.add_norm:
-        y, h, stats = add_norm_fwd(x, x, norm_weight, 1e-6, family.norm_offset, dtype)
-        norm_bwd(y, h, norm_weight, None, stats, family.norm_offset, True, dtype, y)
+        runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), norm.weight, getattr(norm, family.norm_eps),
+                     family.norm_offset)
 
     # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
     def heads_view(n):
-        return torch.empty(batch, seq, n * head_dim, dtype=dtype, device=device).view(
-            batch, seq, n, head_dim).transpose(1, 2)
+        return activation(batch, seq, n * head_dim).view(batch, seq, n, head_dim).transpose(1, 2)
 
     cos = sin = torch.empty(1, seq, head_dim, dtype=dtype, device=device)
-    attention = model.model.layers[0].self_attn
+    attention = layer.self_attn
+    # Qwen3's q and k norms, over the heads of the projections' (B, S, heads, D) views.
+    for name, n in (("q_norm", heads), ("k_norm", kv_heads)):
+        norm = getattr(attention, name, None)
+        if type(norm) is family.cls("RMSNorm"):
+            runtime.warm(rms_norm, activation(batch, seq, n, head_dim), norm.weight, getattr(norm, family.norm_eps),
+                         family.norm_offset)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
-        # _attention_forward's qkv_rope: views of the joint projection; gradients laid out as
-        # the attention kernels write them (like q and k, see heads_view).
-        w = torch.empty(sum(p.weight.shape[0] for p in projections), hidden, dtype=dtype, device=device)
-        x = torch.empty(batch, seq, hidden, dtype=dtype, device=device)
-        q, k, v = qkv_rope_fwd(x, w, None, cos, sin, (heads, kv_heads, kv_heads))
-        qkv_rope_bwd(heads_view(heads), heads_view(kv_heads), None, x, w, cos, sin, (heads, kv_heads, kv_heads),
-                     True, True, False)
+        runtime.warm(qkv_rope, x, *(p.weight for p in projections), cos, sin, *(p.bias for p in projections))
     else:
-        q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
-        q, k = rope_fwd(q, k, cos, sin, False)
-        rope_bwd(q, k, cos, sin, False)
+        runtime.warm(apply_rope, heads_view(heads), heads_view(kv_heads), cos, sin)
     # nn.attention_forward's call, when it is the model's attention; a window shorter than the
     # sequence goes to SDPA with HF's mask.
     sliding = (getattr(config, "sliding_window", None) if family.sliding_window == "config"
                else getattr(attention, "sliding_window", None))
     if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
-        window = attention_op.NO_WINDOW if sliding is None else sliding - 1
-        o, lse = attention_op.attention_fwd(q, k, v, True, head_dim**-0.5, window)
-        attention_op.attention_bwd(heads_view(heads), None, q, k, v, o, lse, True, head_dim**-0.5, window)
+        window = None if sliding is None else sliding - 1
+        runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
+                     attention.scaling, window)
 
-    if family.swiglu_mlp:
-        gate = torch.empty(tokens, config.intermediate_size, dtype=dtype, device=device)
-        swiglu_fwd(gate, gate)
-        swiglu_bwd(gate, gate, torch.empty_like(gate), True, True)
+    # _mlp_forward's call.
+    mlp = layer.mlp
+    if family.swiglu_mlp and getattr(config, "hidden_act", "silu") in SILU_NAMES:
+        if all(_is_plain_linear(p) and p.bias is None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            runtime.warm(swiglu_mlp, x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        else:
+            runtime.warm(swiglu, activation(batch, seq, config.intermediate_size),
+                         activation(batch, seq, config.intermediate_size))
 
-    # The loss's reduction picks its block from the token count.
-    target = torch.zeros(tokens, dtype=torch.long, device=device)
-    hidden_states = torch.empty(tokens, hidden, dtype=dtype, device=device)
-    _, dh, _, _ = fused_linear_cross_entropy_fwd(hidden_states, model.lm_head.weight, target, None, None, None,
-                                                 IGNORE_INDEX, 0.0, 0.0, "mean", True, False, False)
-    scale_(dh, torch.ones((), device=device))
+    target = torch.zeros(batch * seq, dtype=torch.long, device=device)
+    runtime.warm(fused_linear_cross_entropy, activation(batch * seq, hidden_size), model.lm_head.weight, target,
+                 model.lm_head.bias, IGNORE_INDEX)
 
 
 def _causal_lm_forward(hf_forward, family: Family):
@@ -447,7 +449,7 @@ def _causal_lm_forward(hf_forward, family: Family):
                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         if input_ids is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(input_ids.device.type):
             runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
-                                  _compile_step_kernels, self, family, *input_ids.shape)
+                                  _warm_step, self, family, *input_ids.shape)
         if (position_ids is None and attention_mask is None and past_key_values is None and not use_cache
                 and input_ids is not None and not torch.compiler.is_compiling()):
             position_ids = _default_positions(input_ids.shape[1], input_ids.device)

@@ -1,1 +1,3 @@
-"""One module per op: its kernels, launcher, autograd Function, reference and registry entry."""
+"""The product: one module (or small package) per op family: its kernels, launchers, autograd
+Function and reference. It imports only runtime, quant and other ops' public names
+(tests/test_layering.py); test and bench cases live in tritonformer.cases."""

@@ -4,29 +4,14 @@
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  delta = rowsum(dO * O) - dlse
     dQ = scale * dS K,  dK = scale * dS^T Q
 
-Layout (B, H, S, D); k and v have H_kv heads with H % H_kv == 0 (grouped-query / multi-query
-attention): query head h reads kv head h // (H // H_kv), and k, v are never repeated in memory.
-Packed variable-length batches (flash-attn's varlen convention): q (total_q, H, D), k, v
-(total_k, H_kv, D), int32 cu_seqlens_q / cu_seqlens_k of shape (batch + 1,); the same kernels
-run with a VARLEN switch, the grid's batch axis indexing sequences, each program reading its
-sequence's first row and length from cu_seqlens (blocks past the length exit at once), masks
-aligned per sequence. O is (total_q, H, D) and lse (H, total_q).
-
-Masks, with shift = S_k - S_q (causal masks are aligned bottom-right, as in flash-attn):
-    causal:       key j is allowed for query i iff j <= i + shift
-    window=left:  key j is allowed for query i iff j >= i + shift - left
-A query row with no allowed key (S_q > S_k causal, or a window and causal band that leaves it
-empty) outputs 0 and has lse = -inf; the reference does the same, and such rows get no gradient.
-
-Forward: one program per (query block, batch * head) keeps its Q block on chip and streams the
-key blocks inside the causal/window band (blocks outside are never read), with an online
-softmax in base 2 (log2(e) folded into the scale) and fp32 accumulators. It stores O and the
-natural-log LSE (fp32, (B, H, S_q)). Backward: a dQ kernel (one program per query block,
-looping over key blocks), which also forms its rows' delta, then a dK/dV kernel (one program
-per key block and kv head, looping over the group's query heads and the query blocks of the
-band), which reads it. No
-atomics: the backward is deterministic, and a kv head's gradient sums its query heads in a fixed
-order.
+q (B, H, S_q, D), k and v (B, H_kv, S_k, D) with H % H_kv == 0 (GQA/MQA, k and v never repeated),
+or a packed variable-length batch (total, H, D) with int32 cu_seqlens (flash-attn's varlen
+convention, the same kernels with a VARLEN switch). Causal masks are aligned bottom-right (key j
+allowed iff j <= i + S_k - S_q), window=left also masks j < i + S_k - S_q - left; a row with no
+allowed key outputs 0 with lse = -inf. Forward: one program per (query block, batch * head), an
+online softmax over the key blocks of the band. Backward, deterministic (no atomics): a dQ kernel
+that also forms delta, then a dK/dV kernel per key block and kv head, looping over its query heads.
+Configs are autotuned; launches are planned per call signature and replayed. Design: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -39,8 +24,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
-from ..bench import peers
-from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -1054,7 +1037,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                 raise ValueError(f"{name} is given without cu_seqlens_q / cu_seqlens_k")
         extra = (None, None, 0, 0)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = AttentionFunction.apply(q, k, v, causal, scale, window, *extra)
+        o, lse = runtime.apply(AttentionFunction, q, k, v, causal, scale, window, *extra)
     else:
         o, lse = attention_fwd(q, k, v, causal, scale, window, *extra)
     return (o, lse) if return_lse else o
@@ -1105,184 +1088,3 @@ def attention_reference(q, k, v, causal=False, scale=None, window=None, return_l
         return o
     lse = torch.logsumexp(s, dim=-1).masked_fill(~any_key[:, 0], -math.inf)
     return o, lse
-
-
-def _test_cases() -> list[TestCase]:
-    def case(id, dtype, B=1, H=2, H_kv=None, S_q=17, S_k=None, D=32, causal=False, window=None,
-             return_lse=False, transposed=False, gpu_only=False, **kw):
-        H_kv = H if H_kv is None else H_kv
-        S_k = S_q if S_k is None else S_k
-
-        def make(device):
-            def draw(heads, seq):
-                if transposed:  # (B, S, H, D) memory seen as (B, H, S, D)
-                    return torch.randn(B, seq, heads, D, device=device).to(dtype).transpose(1, 2)
-                return torch.randn(B, heads, seq, D, device=device).to(dtype)
-
-            q, k, v = draw(H, S_q), draw(H_kv, S_k), draw(H_kv, S_k)
-            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
-                causal=causal, window=window, return_lse=return_lse)
-
-        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
-
-    def varlen(id, dtype, lens_q, lens_k, H=2, H_kv=None, D=32, causal=False, window=None, return_lse=False,
-               gpu_only=False, **kw):
-        """A packed batch: q (sum(lens_q), H, D), k and v (sum(lens_k), H_kv, D)."""
-        H_kv = H if H_kv is None else H_kv
-
-        def make(device):
-            def cu(lens):
-                return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
-
-            q = torch.randn(sum(lens_q), H, D, device=device).to(dtype)
-            k, v = (torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype) for _ in range(2))
-            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
-                causal=causal, window=window, return_lse=return_lse, cu_seqlens_q=cu(lens_q),
-                cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-
-        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
-
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    cases = [
-        case("fp32-s1", fp32, S_q=1),
-        case("fp32-s17-lse", fp32, return_lse=True),
-        case("fp32-s40-causal-lse", fp32, S_q=40, causal=True, return_lse=True),
-        case("fp32-sq17-sk40-causal", fp32, S_q=17, S_k=40, causal=True),
-        case("fp32-gqa-window", fp32, H=4, H_kv=2, S_q=40, window=9),
-        case("fp32-d96-transposed", fp32, S_q=17, S_k=23, D=96, transposed=True),
-        case("bf16-s17", bf16),
-        case("bf16-s40-causal-d64", bf16, S_q=40, causal=True, D=64),
-        case("bf16-gqa-causal-window", bf16, H=4, H_kv=2, S_q=40, causal=True, window=12),
-        case("bf16-mqa-sq1-sk40", bf16, H=4, H_kv=1, S_q=1, S_k=40),
-        case("fp16-s40-sk17", fp16, S_q=40, S_k=17),
-        case("fp16-mqa-causal-d64", fp16, B=2, H=4, H_kv=1, S_q=17, S_k=33, causal=True, D=64),
-        case("bf16-s1000-causal-d128", bf16, S_q=1000, causal=True, D=128, gpu_only=True),
-        case("bf16-s4097-d128", bf16, S_q=4097, D=128, gpu_only=True),
-        case("bf16-s4097-causal-d128-gqa", bf16, H=4, H_kv=2, S_q=4097, causal=True, D=128, gpu_only=True),
-        case("bf16-s1000-d256-window", bf16, S_q=1000, D=256, causal=True, window=256, gpu_only=True),
-        case("fp16-s1000-d96-sk777", fp16, S_q=1000, S_k=777, D=96, causal=True, gpu_only=True),
-        # Packed batches: lengths 0 and 1, S_q != S_k per sequence, rows with no key (causal).
-        varlen("varlen-fp32-lse", fp32, [5, 1, 0, 23], [9, 1, 4, 30], return_lse=True),
-        varlen("varlen-fp32-causal", fp32, [17, 1, 0, 9, 20], [30, 1, 3, 0, 6], causal=True),
-        varlen("varlen-bf16-gqa-causal-window", bf16, [33, 1, 0, 12], [40, 1, 5, 12], H=4, H_kv=2, causal=True,
-               window=7),
-        varlen("varlen-fp16-mqa-window-d64", fp16, [7, 19], [19, 7], H=4, H_kv=1, D=64, window=3),
-        varlen("varlen-bf16-causal-d128-gqa", bf16, [1, 700, 64, 1500, 0, 1, 1000, 830],
-               [1, 700, 90, 1500, 3, 1, 1000, 900], H=8, H_kv=2, D=128, causal=True, gpu_only=True),
-    ]
-    return cases
-
-
-def _attention_flops(B, H, S, D, causal):
-    flops = 4 * B * H * S * S * D
-    return flops // 2 if causal else flops
-
-
-def _bench_cases() -> list[BenchCase]:
-    grid = [  # B, H, S, D, causal, quick
-        (4, 32, 4096, 128, True, False),
-        (4, 32, 4096, 128, False, False),
-        (8, 16, 2048, 64, True, False),
-        (1, 32, 16384, 128, True, False),
-        (1, 2, 64, 32, True, True),
-    ]
-    cases = []
-    dtype = torch.bfloat16
-    for B, H, S, D, causal, quick in grid:
-        for mode in ("fwd", "fwd+bwd"):
-            def setup(B=B, H=H, S=S, D=D, causal=causal, mode=mode):
-                device = runtime.DEVICE
-                grad = mode != "fwd"
-                q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
-                do = torch.randn(B, H, S, D, device=device, dtype=dtype)
-                sdpa = torch.nn.functional.scaled_dot_product_attention
-
-                def backend(name):
-                    if runtime.INTERPRET:
-                        return None
-                    kernel = getattr(torch.nn.attention.SDPBackend, name)
-
-                    def run():
-                        with torch.nn.attention.sdpa_kernel(kernel):
-                            return sdpa(q, k, v, is_causal=causal)
-                    return run
-
-                providers = {"tritonformer": lambda: attention(q, k, v, causal=causal)}
-                if quick and runtime.INTERPRET:
-                    providers["torch"] = lambda: attention_reference(q, k, v, causal=causal)
-                providers["sdpa-flash"] = backend("FLASH_ATTENTION")
-                providers["sdpa-cudnn"] = backend("CUDNN_ATTENTION")
-                # The float32 reference materializes B*H*S*S scores: moderate sizes only.
-                small = B * H * S * S <= 2**28
-
-                def ref_fwd():
-                    return attention_reference(q.float(), k.float(), v.float(), causal=causal)
-
-                if mode == "fwd":
-                    return Bench(peers.available(providers), reference=ref_fwd if small else None)
-
-                def fwd_bwd(fn):
-                    return None if fn is None else lambda: torch.autograd.grad(fn(), (q, k, v), do)
-
-                def ref_bwd():
-                    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-                    return torch.autograd.grad(attention_reference(*leaves, causal=causal), leaves, do.float())
-
-                return Bench(peers.available({n: fwd_bwd(f) for n, f in providers.items()}),
-                             reference=ref_bwd if small else None)
-
-            flops = _attention_flops(B, H, S, D, causal)
-            flops = flops if mode == "fwd" else int(flops * 3.5)
-            title = "forward" if mode == "fwd" else "forward+backward"
-            cases.append(BenchCase(
-                "attention", mode, dtype, f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}", S, setup,
-                flops=flops, plot=f"{title} {'causal' if causal else 'full'} bf16", quick=quick, compare="norm"))
-    return cases + _varlen_bench_cases()
-
-
-def _varlen_bench_cases() -> list[BenchCase]:
-    """A packed batch of 8 causal sequences (16384 tokens) against SDPA on the same batch padded
-    to its longest sequence (what a caller without varlen does). FLOPs count the packed work."""
-    lens, H, D, dtype = [4096, 512, 3000, 1, 2048, 1500, 4000, 1227], 32, 128, torch.bfloat16
-    cases = []
-    for mode in ("fwd", "fwd+bwd"):
-        def setup(mode=mode):
-            device, grad, total, longest = runtime.DEVICE, mode != "fwd", sum(lens), max(lens)
-            cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
-            q, k, v = (torch.randn(total, H, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
-            do = torch.randn(total, H, D, device=device, dtype=dtype)
-            kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
-            padded = [torch.randn(len(lens), H, longest, D, device=device, dtype=dtype, requires_grad=grad)
-                      for _ in range(3)]
-            do_padded = torch.randn(len(lens), H, longest, D, device=device, dtype=dtype)
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            providers = {"tritonformer": lambda: attention(q, k, v, **kw)}
-            if not runtime.INTERPRET:
-                def run_sdpa():
-                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                        return sdpa(*padded, is_causal=True)
-                providers["sdpa-flash-padded"] = run_sdpa
-            if mode == "fwd":
-                def ref():
-                    return attention_reference(q.float(), k.float(), v.float(), **kw)
-                return Bench(providers, reference=ref)
-            return Bench({"tritonformer": lambda: torch.autograd.grad(providers["tritonformer"](), (q, k, v), do),
-                          **({} if runtime.INTERPRET else {"sdpa-flash-padded": lambda: torch.autograd.grad(
-                              providers["sdpa-flash-padded"](), padded, do_padded)})})
-
-        flops = sum(_attention_flops(1, H, n, D, True) for n in lens)
-        flops = flops if mode == "fwd" else int(flops * 3.5)
-        title = "forward" if mode == "fwd" else "forward+backward"
-        cases.append(BenchCase("attention", mode, dtype, f"varlen8x{sum(lens)}xH{H}xD{D}-causal", sum(lens), setup,
-                               flops=flops, plot=f"{title} varlen causal bf16", compare="norm"))
-    return cases
-
-
-SPEC = OpSpec(
-    name="attention",
-    fn=attention,
-    reference=attention_reference,
-    test_cases=_test_cases,
-    bench_cases=_bench_cases,
-    compare="norm",
-)

@@ -2,20 +2,18 @@
 
     rms_norm:   xhat = x * rstd,           rstd = 1 / sqrt(mean(x^2) + eps)
     layer_norm: xhat = (x - mean) * rstd,  rstd = 1 / sqrt(var(x) + eps)
-    y = xhat * w (+ b)
-
+    y = xhat * w (+ b); add_rms_norm normalizes h = x + residual and returns h beside y.
 Backward, with g = dy * w (or dy without a weight):
     rms_norm:   dx = rstd * (g - xhat * mean(g * xhat))
     layer_norm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat,  db = sum over rows of dy
 
-The forward saves only rstd (and mean) per row besides its inputs. Rows up to FUSED_MAX_N live
-in registers: the forward reads x once and writes y once; the backward reads x and dy once and
-writes dx once. The backward runs a fixed number of programs, each looping over its rows and
-keeping dw and db partial sums in registers; the partials (programs x N, float32) are summed
-once at the end: no atomics, no contention. Longer rows take looped kernels that read a row
-twice (the second read mostly from L2), but for LayerNorm's backward past LAYER_NORM_BWD_MAX_N
-columns, which splits rows over column blocks after a kernel of row means (LAYER_NORM_WIDE_BWD).
+x (..., N) in a float dtype, weight and bias (N,) or None; the forward saves rstd (and mean) per
+row. Rows up to FUSED_MAX_N (LayerNorm's backward with a bias: LAYER_NORM_BWD_MAX_N) live in
+registers, read once and written once each way; the backward's programs keep dw/db partial sums
+in registers, which one more kernel adds up. Longer rows take looped kernels that read a row twice
+(the second read mostly from L2), but for LayerNorm's backward: a kernel of row means, then one
+over column blocks of row groups. Design and measurements: docs/norm.md.
 """
 
 from __future__ import annotations
@@ -28,33 +26,25 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..bench import peers
-from ..bench.runner import short_dtype
-from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 # 32768 float32 values fill 32 registers per thread of a 32-warp program (the softmax bound).
 FUSED_MAX_N = 32768
 LOOP_CHUNK = 4096
-# Launch shapes from sweeps on the H100 (scripts/sweep_launch.py, docs/perf-notes.md). Forward: one
-# row a program from 2048 columns up, 16 values a thread, 16 warps at most. Backward: a fixed
-# number of programs, each looping over its rows with its dw/db partial sums in registers; 16
-# (LayerNorm) or 32 (RMSNorm) values a thread, and as many programs as make 16 warps an SM. RMSNorm
-# loads its weight again for every row (from L1) rather than holding it: 2.86 against 2.58 TB/s at
-# 16384x8192, 2.76 against 2.65 at 4096x16384 (where the held weight spilled).
+# Launch shapes from the H100 sweeps (docs/norm.md): a program of ROWS_ELEMENTS values (one row
+# from 2048 columns up), at most MAX_WARPS warps, and in the backward as many programs as make
+# BWD_WARPS_PER_SM warps an SM.
 ROWS_ELEMENTS = 2048
 MAX_WARPS = 16
 BWD_WARPS_PER_SM = 16
-# LayerNorm's backward holds two partial sums (dw, db) a column besides the row: from 16384
-# columns that spills (0.27 to 1.3 TB/s on the H100 against RMSNorm's 2.5), so those rows take
-# the looped kernel, whose partial sums live in memory (L2).
+# LayerNorm's backward also holds dw and db partial sums a column: from 16384 columns that spills
+# (0.27-1.3 TB/s on the H100, RMSNorm's 2.5), so wider rows leave the registers.
 LAYER_NORM_BWD_MAX_N = 8192
 
 
 def _launch_shape(n: int, rms: bool, shifted_stats: bool) -> tuple[int, int, int]:
     """BLOCK_M, BLOCK_N, num_warps of the forward for rows of n elements held in registers.
-    LayerNorm's forward in float32 reduces a row three times (sum, correction, squares): from
-    16384 columns it takes 8 warps, whose reductions cross fewer warps (2.48 TB/s on the H100,
-    against 1.94 at 16); in 16-bit dtypes (one reduction) 16 warps, 2.76."""
+    LayerNorm's float32 forward reduces a row three times: from 16384 columns 8 warps, whose
+    reductions cross fewer warps (2.48 against 1.94 TB/s at 16 on the H100)."""
     block_n = runtime.next_power_of_2(n)
     block_m = max(1, ROWS_ELEMENTS // block_n)
     max_warps = MAX_WARPS if rms or shifted_stats or block_n < 16384 else 8
@@ -62,7 +52,8 @@ def _launch_shape(n: int, rms: bool, shifted_stats: bool) -> tuple[int, int, int
 
 
 def _bwd_launch_shape(n: int, rms: bool) -> tuple[int, int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps and programs per SM of the in-register backward."""
+    """BLOCK_M, BLOCK_N, num_warps and programs per SM of the in-register backward: 16 (LayerNorm)
+    or 32 (RMSNorm) values a thread."""
     block_n = runtime.next_power_of_2(n)
     block_m = max(1, ROWS_ELEMENTS // block_n)
     per_thread = 32 if rms else 16
@@ -70,29 +61,13 @@ def _bwd_launch_shape(n: int, rms: bool) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, max(1, BWD_WARPS_PER_SM // num_warps)
 
 
-# The looped backward: 32 warps, one program an SM (1.24 TB/s at LayerNorm 4096x16384 on the H100,
-# against 0.72 at 8 warps and two an SM).
+# The looped backward (RMSNorm's rows past FUSED_MAX_N): 32 warps, one program an SM (1.24 against
+# 0.72 TB/s at 8 warps and two an SM, measured at LayerNorm 4096x16384 on the H100).
 LOOPED_BWD_WARPS = 32
-# LayerNorm's backward of wider rows (past LAYER_NORM_BWD_MAX_N with a bias, past FUSED_MAX_N
-# without): "split" or "looped" (the kernel above, which RMSNorm's rows past FUSED_MAX_N take).
-# The looped kernel reads x and dy from DRAM once (the second read mostly from L2) but runs one
-# program an SM that waits on each chunk in turn and reads and writes its dw/db partial rows in
-# L2 for every row. The split backward is two kernels: the first reads x and dy and writes each
-# row's mean(g * xhat) and mean(g); the second owns a column block of a row group, reads x and dy
-# again, writes dx and sums dw and db over its rows in registers (the last row group to finish a
-# column block adds the groups' sums: no partial buffer of programs x N, no torch sum after).
-# Five passes instead of three, every one a streaming read or write, many programs an SM.
-# Split launch: coef_rows rows a program and coef_chunk columns a step on coef_warps warps, loads
-# pipelined over coef_stages steps (first kernel); block_m x block_n tiles, `rows` rows a program,
-# `warps` warps, `stages` tiles in flight (second kernel); reverse: the second kernel takes the
-# last row groups first (the first kernel's last rows may still be in L2). Stages above 1 stage
-# the loads through shared memory (cp.async: checked offline for sm_90, where one stage issues
-# each step's loads only after the previous step's arithmetic). Offline ptxas, bf16, no spills:
-# first kernel 1 x 4096 on 8 warps 64 registers (2 stages 80), second 16 x 256 on 8 warps 113
-# (3 stages 80 and 33 KiB of shared memory: 3 programs an SM). H100, 4096 x 16384 bf16 with weight
-# and bias (scripts/probe_layer_norm.py): backward 0.250 ms split, 0.335 looped; the other split
-# settings tried 0.240-0.275.
-LAYER_NORM_WIDE_BWD = "split"
+# LayerNorm's wide-row backward (_layer_norm_bwd_split): the row-means kernel's coef_* settings, then
+# the column kernel's block_m x block_n tiles, rows a program, warps and stages in flight; reverse:
+# the last row groups (still in L2) first. 0.250 ms against the looped kernel's 0.335 at 4096x16384
+# bf16 (H100).
 LAYER_NORM_SPLIT = dict(coef_rows=1, coef_chunk=4096, coef_warps=8, coef_stages=2,
                         block_m=16, block_n=256, rows=256, warps=8, stages=3, reverse=True)
 
@@ -187,7 +162,8 @@ def _norm_bwd_kernel(
     """Each program's dw and db column sums go to part_ptr as rows of (dw, db) x programs x N
     (those that exist). HAS_DRES: dx also gets dres, the gradient that x's other uses sent back (an add fused:
     one rounding instead of two). RELOAD_W: the weight is loaded again for every row (from L1)
-    instead of held in registers, which leaves them to longer rows."""
+    instead of held in registers, which leaves them to longer rows (RMSNorm 16384x8192 on the
+    H100: 2.86 against 2.58 TB/s held)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -566,7 +542,7 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None,
     if M == 0 or N == 0:
         return dx, torch.zeros((n_params, N), dtype=sums_dtype, device=x.device)
     looped = N > (FUSED_MAX_N if rms or bias is None else LAYER_NORM_BWD_MAX_N)
-    if looped and not rms and dres is None and LAYER_NORM_WIDE_BWD == "split":
+    if looped and not rms and dres is None:  # dres comes from add_rms_norm alone
         sums, replay = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
         if replay is not None and views:
             _bwd_plans.put(plan_key, replay if sums_dtype == torch.float32 else
@@ -623,9 +599,9 @@ def _replay_cast(replay: Callable, sums_dtype: torch.dtype, *args) -> tuple[torc
 
 
 def _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset) -> tuple[torch.Tensor, Callable | None]:
-    """LayerNorm's column-split backward (see LAYER_NORM_WIDE_BWD): writes dx; returns the dw and
-    db sums (those that exist) as float32 rows, and the call planned for replay on tensors of
-    its signature (None when nothing was launched)."""
+    """LayerNorm's backward of wide rows in two kernels (see LAYER_NORM_SPLIT): writes dx; returns
+    the dw and db sums (those that exist) as float32 rows, and the call planned for replay on
+    tensors of its signature (None when nothing was launched)."""
     M, N = x_rows.shape
     n_params = (weight is not None) + (bias is not None)
     if M == 0 or N == 0:
@@ -764,7 +740,7 @@ class AddRMSNormFunction(torch.autograd.Function):
 
 def _normalize(x, weight, bias, eps, offset, rms, out_dtype):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return NormFunction.apply(x, weight, bias, eps, offset, rms, out_dtype)
+        return runtime.apply(NormFunction, x, weight, bias, eps, offset, rms, out_dtype)
     return norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)[0]
 
 
@@ -816,7 +792,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         h = x + residual
         return rms_norm(h, weight, eps, offset), h
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
-        return AddRMSNormFunction.apply(x, residual, weight, eps, offset, out_dtype)
+        return runtime.apply(AddRMSNormFunction, x, residual, weight, eps, offset, out_dtype)
     y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)
     return y, h
 
@@ -849,189 +825,3 @@ def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
     w = weight.to(xf.dtype) if weight is not None else None
     b = bias.to(xf.dtype) if bias is not None else None
     return torch.nn.functional.layer_norm(xf, xf.shape[-1:], w, b, eps).to(x.dtype)
-
-
-def _norm_test_cases(rms: bool) -> list[TestCase]:
-    def case(id, shape, dtype, weight=True, bias=True, offset=0.0, transpose=False, scale=1.0, shift=0.0,
-             gpu_only=False, tolerance=None, compare=None):
-        def make(device):
-            n = shape[-1]
-            x = torch.randn(shape[::-1] if transpose else shape, device=device) * scale + shift
-            x = (x.mT if transpose else x).to(dtype).requires_grad_(True)
-            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
-            if rms:
-                return (x, w), {"eps": 1e-6, "offset": offset}
-            b = torch.randn(n, device=device).to(dtype).requires_grad_(True) if bias else None
-            return (x, w, b), {"eps": 1e-5}
-        return TestCase(id, make, dtype, gpu_only=gpu_only, tolerance=tolerance, compare=compare)
-
-    cases = []
-    for dt in runtime.FLOAT_DTYPES:
-        name = short_dtype(dt)
-        cases += [
-            # One column is degenerate for RMSNorm's gradient (x-hat = +-1 projects it all away).
-            case(f"{name}-1x3", (1, 3), dt),
-            case(f"{name}-7x1000", (7, 1000), dt),
-            case(f"{name}-2x3x4097", (2, 3, 4097), dt),
-            case(f"{name}-300x64", (300, 64), dt),  # more rows than backward programs here
-            case(f"{name}-looped-2x{FUSED_MAX_N + 77}", (2, FUSED_MAX_N + 77), dt),
-            case(f"{name}-4096x4096", (4096, 4096), dt, gpu_only=True),
-            case(f"{name}-64x65536", (64, 65536), dt, gpu_only=True),
-        ]
-    cases += [
-        case("fp32-no-weight", (5, 33), torch.float32, weight=False, bias=False),
-        case("fp32-transposed", (40, 17), torch.float32, transpose=True),
-        case("fp32-large-values", (4, 999), torch.float32, scale=1e4),
-        case("fp32-empty", (0, 9), torch.float32),
-    ]
-    if rms:
-        cases += [case(f"{short_dtype(dt)}-gemma-9x300", (9, 300), dt, offset=1.0) for dt in runtime.FLOAT_DTYPES]
-    else:
-        cases += [
-            case("fp32-weight-only", (6, 40), torch.float32, bias=False),
-            # A float32 mean near 1000 is itself off by up to 3e-5 (half its ulp), as torch's is,
-            # which no elementwise bound on outputs near zero allows; the variance must not lose
-            # more (E[x^2] - mean^2 would be off by about 10%).
-            case("fp32-large-mean", (4, 512), torch.float32, shift=1e3, tolerance=torch.float16, compare="norm"),
-        ]
-    return cases
-
-
-def _norm_bench_cases(rms: bool) -> list[BenchCase]:
-    op = "rms_norm" if rms else "layer_norm"
-    cases = []
-    grid = [(16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)]
-    for M, N in grid:
-        dtype = torch.bfloat16
-        quick = N == 2048
-
-        def setup(mode, M=M, N=N, dtype=dtype):
-            device = runtime.DEVICE
-            x = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
-            w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype).requires_grad_(mode != "fwd")
-            b = torch.randn(N, device=device, dtype=dtype, requires_grad=mode != "fwd")
-            dy = torch.randn(M, N, device=device, dtype=dtype)
-            lg = peers.liger()
-            if rms:
-                ours = lambda: rms_norm(x, w, 1e-6)  # noqa: E731
-                ref = lambda x, w: rms_norm_reference(x, w, 1e-6)  # noqa: E731
-                liger = (lambda: lg.LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama")) if lg else None
-                eager = (lambda: ref(x, w))
-                inputs, ref_inputs = (x, w), lambda: (x.double(), w.double())
-            else:
-                ours = lambda: layer_norm(x, w, b, 1e-5)  # noqa: E731
-                ref = lambda x, w, b: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, 1e-5)  # noqa: E731
-                liger = (lambda: lg.LigerLayerNormFunction.apply(x, w, b, 1e-5)) if lg else None
-                eager = (lambda: ref(x, w, b))
-                inputs, ref_inputs = (x, w, b), lambda: (x.double(), w.double(), b.double())
-            compiled = peers.compiled(ref, *inputs)
-            providers = {"tritonformer": ours, "torch": eager, "torch.compile": compiled, "liger": liger}
-            if mode == "fwd":
-                return Bench(peers.available(providers), reference=lambda: ref(*ref_inputs()))
-
-            def fwd_bwd(fn):
-                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, dy)
-
-            def reference():
-                leaves = [t.detach().requires_grad_(True) for t in ref_inputs()]
-                return torch.autograd.grad(ref(*leaves), leaves, dy.double())
-
-            return Bench(peers.available({k: fwd_bwd(v) for k, v in providers.items()}), reference=reference)
-
-        size = M * N * 2
-        shape = f"{M}x{N}"
-        cases.append(BenchCase(op, "fwd", dtype, shape, N, lambda s=setup: s("fwd"), bytes=2 * size,
-                               plot=f"forward {short_dtype(dtype)}", quick=quick))
-        # x read twice, y written, dy read, dx written: the five passes the targets count.
-        # dw and db sum over every row: held to a norm-wise bound, as in the tests.
-        cases.append(BenchCase(op, "fwd+bwd", dtype, shape, N, lambda s=setup: s("fwd+bwd"), bytes=5 * size,
-                               plot=f"forward+backward {short_dtype(dtype)}", quick=quick, compare="norm"))
-    return cases
-
-
-def _add_norm_test_cases() -> list[TestCase]:
-    def case(id, shape, dtype, weight=True, offset=0.0, transposed_residual=False, gpu_only=False):
-        def make(device):
-            n = shape[-1]
-            x = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
-            res = torch.randn(shape[::-1], device=device).mT if transposed_residual else torch.randn(shape, device=device)
-            res = res.to(dtype).requires_grad_(True)
-            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
-            return (x, res, w), {"eps": 1e-6, "offset": offset}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = []
-    for dt in runtime.FLOAT_DTYPES:
-        name = short_dtype(dt)
-        cases += [
-            case(f"{name}-2x3x1000", (2, 3, 1000), dt),
-            case(f"{name}-300x64", (300, 64), dt),
-            case(f"{name}-gemma-9x300", (9, 300), dt, offset=1.0),
-            case(f"{name}-8192x2048", (8192, 2048), dt, gpu_only=True),
-        ]
-    cases += [
-        case("fp32-no-weight-transposed-residual", (40, 17), torch.float32, weight=False, transposed_residual=True),
-        case(f"fp32-looped-2x{FUSED_MAX_N + 5}", (2, FUSED_MAX_N + 5), torch.float32),
-        case("fp32-empty", (0, 9), torch.float32),
-    ]
-    return cases
-
-
-def _add_norm_bench_cases() -> list[BenchCase]:
-    cases = []
-    for M, N in [(8192, 2048), (16384, 4096), (256, 512)]:
-        dtype = torch.bfloat16
-
-        def setup(M=M, N=N, dtype=dtype):
-            device = runtime.DEVICE
-            x, res = (torch.randn(M, N, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-            w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype).requires_grad_(True)
-            dy, dh = torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)
-            lg = peers.liger()
-            inputs = (x, res, w)
-
-            def liger():
-                h = x + res
-                return lg.LigerRMSNormFunction.apply(h, w, 1e-6, 0.0, "llama"), h
-
-            def fwd_bwd(fn):
-                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, (dy, dh))
-
-            def reference():
-                leaves = [t.detach().double().requires_grad_(True) for t in inputs]
-                return torch.autograd.grad(add_rms_norm_reference(*leaves), leaves, (dy.double(), dh.double()))
-
-            return Bench(peers.available({
-                "tritonformer": fwd_bwd(lambda: add_rms_norm(x, res, w)),
-                "torch": fwd_bwd(lambda: add_rms_norm_reference(x, res, w)),
-                "torch.compile": fwd_bwd(peers.compiled(add_rms_norm_reference, x, res, w)),
-                "liger": fwd_bwd(liger if lg else None),
-            }), reference=reference)
-
-        size = M * N * 2
-        # Forward: x, residual read, y, h written; backward: dy, dh, h read, dx written.
-        cases.append(BenchCase("add_rms_norm", "fwd+bwd", dtype, f"{M}x{N}", N, setup, bytes=8 * size,
-                               plot=f"forward+backward {short_dtype(dtype)}", quick=M == 256, compare="norm"))
-    return cases
-
-
-# Norm-wise: y is the norm of h rounded to the input dtype (as HF's add then norm compute it),
-# against a float64 reference that never rounds h.
-ADD_RMS_NORM_SPEC = OpSpec(name="add_rms_norm", fn=add_rms_norm, reference=add_rms_norm_reference,
-                           test_cases=_add_norm_test_cases, bench_cases=_add_norm_bench_cases, compare="norm")
-
-RMS_NORM_SPEC = OpSpec(
-    name="rms_norm",
-    fn=rms_norm,
-    reference=rms_norm_reference,
-    test_cases=lambda: _norm_test_cases(True),
-    bench_cases=lambda: _norm_bench_cases(True),
-)
-
-LAYER_NORM_SPEC = OpSpec(
-    name="layer_norm",
-    fn=layer_norm,
-    reference=layer_norm_reference,
-    test_cases=lambda: _norm_test_cases(False),
-    bench_cases=lambda: _norm_bench_cases(False),
-)

@@ -1,25 +1,18 @@
 """Rotary position embedding (RoPE) of queries and keys, HuggingFace's rotate-half form.
 
-    q_embed = q * cos + rotate_half(q) * sin,    rotate_half(x) = cat(-x2, x1)
-
-with x1, x2 the two halves of the head dimension. Per half, with cos = (c1, c2), sin = (s1, s2):
+q * cos + rotate_half(q) * sin, rotate_half(x) = cat(-x2, x1) for x1, x2 the halves of the head
+dimension; per half, with cos = (c1, c2) and sin = (s1, s2):
 
     y1 = x1 * c1 - x2 * s1                 dx1 = dy1 * c1 + dy2 * s2
     y2 = x2 * c2 + x1 * s2                 dx2 = dy2 * c2 - dy1 * s1
 
-The backward applies the transpose of each 2x2 block; for tables built as cat(freqs, freqs)
-(c1 = c2, s1 = s2) that is the rotation by minus the angle. Both halves of cos and sin are read:
-nothing assumes a table of that form. cos and sin are constants (no gradient flows to them).
-
-Two kernels, each doing the forward and the backward, q and k in one launch. (B, H, S, D) tensors
-whose (batch, head) slabs are contiguous S x D blocks (the usual case) take the flat kernel: q's
-and k's rows of D elements cut into tiles of contiguous rows, a tile a program, its cos/sin rows
-read per tile (L2 hits), as an elementwise kernel would. Every other case (B, S, H, D), strided
-positions or dims) takes the head-walking kernel: a program takes a block of positions of one
-batch row and a chunk of the heads of q or of k: it loads the block's cos and sin once, in
-float32, then walks its heads a few at a time, each step a (positions, heads, D/2) tile per half
-with D contiguous (16-byte accesses). The chunks of one block are neighbours in launch order, so
-their cos/sin reads hit L2. Arithmetic is float32 whatever the storage dtypes.
+The backward is each 2x2 block's transpose (no table of cat(freqs, freqs) form is assumed); cos and
+sin get no gradient. Inputs: q and k in (B, H, S, D) or (B, S, H, D), tables (S, D), (1, S, D) or
+(B, S, D). Two kernels, each forward and backward, q and k in one launch, float32 arithmetic:
+(B, H, S, D) tensors whose (batch, head) slabs are contiguous take the flat kernel (tiles of whole
+rows, one a program); every other layout takes the head-walking kernel (a block of positions, its
+cos/sin loaded once, and a chunk of heads a program). `qkv_rope` adds the attention's input
+projections as one autograd node. Design and measurements: docs/rope.md.
 """
 
 from __future__ import annotations
@@ -31,21 +24,16 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..bench import peers
-from ..bench.runner import short_dtype
-from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 LAYOUTS = ("bhsd", "bshd")
 TABLE_DTYPES = (*runtime.FLOAT_DTYPES, torch.float64)
 
-# Launch shape per layout, from sweeps on the H100 (scripts/sweep_launch.py; docs/perf-notes.md),
-# as (STEP_BYTES, HEADS_PER_STEP, HEADS_PER_PROGRAM, NUM_WARPS, STAGES). A step reads BLOCK_S
-# positions x HEADS_PER_STEP heads of q or k, STEP_BYTES in all; STAGES > 1 pipelines the steps'
-# loads (through shared memory). Both layouts settle on four heads a step, two stages: 2.75 TB/s in
-# (B, H, S, D) and 2.88 in (B, S, H, D) at q (4,32,4096,128) bf16, against 2.71 and 2.84 with the
-# steps' loads unpipelined. Each program reads its block's cos and sin once and rotates
-# HEADS_PER_PROGRAM heads; fewer when that leaves under MIN_PROGRAMS_PER_SM programs per SM.
-LAUNCH = {False: (8192, 4, 8, 8, 2), True: (8192, 4, 8, 8, 2)}
+# The head-walking kernel's (STEP_BYTES, HEADS_PER_STEP, HEADS_PER_PROGRAM, NUM_WARPS, STAGES): a
+# step reads BLOCK_S positions x HEADS_PER_STEP heads (STEP_BYTES), STAGES pipelines the steps'
+# loads; four heads a step and two stages won the sweep in both layouts (2.75 / 2.88 TB/s on the
+# H100, docs/rope.md). A program rotates HEADS_PER_PROGRAM heads, fewer when that leaves under
+# MIN_PROGRAMS_PER_SM programs an SM.
+LAUNCH = (8192, 4, 8, 8, 2)
 MIN_PROGRAMS_PER_SM = 4
 
 
@@ -139,28 +127,14 @@ def _rope_kernel(
 
 # ---- (B, H, S, D) with every (batch, head) slab contiguous: one flat pass over rows ----
 
-# The flat path: q and k seen as rows of D elements, q's B * Hq * S rows then k's B * Hk * S, cut
-# into tiles of whole rows, one tile a program, both tensors in one launch. A tile is contiguous
-# memory; its cos/sin rows are reloaded per tile (L2 hits: the tables are S x D). No head loop,
-# no pipelining to wait on: the GPU keeps many small programs in flight, as inductor's elementwise
-# kernel does. FLAT_BHSD turns it off (the head-walking kernel above then serves (B, H, S, D) too).
-# FLAT_LAUNCH: tile_bytes of q or k per tile (rows = tile_bytes / (D * itemsize), a power of two),
-# num_warps, and evict (evict_first on q/k, evict_last on cos/sin, or no hints).
-# scripts/probe_rope.py times the candidates (FLAT_CANDIDATES) against the head-walking kernel and
-# torch.compile. On the H100 (one run, bf16, q (4, 32, 4096, 128) / k (4, 8, 4096, 128) and the
-# (1, 32, 8192, 128) pair): 4 KiB tiles, 4 warps, no hints 2.86 / 2.64 TB/s, torch.compile 2.84 /
-# 2.60, the head-walking kernel 2.73 / 2.55; the other candidates within 1-2% of the winner at
-# the first shape, the 2-warp ones 20% behind at the second.
+# The flat path: q's B * Hq * S rows of D elements then k's, in tiles of whole rows, one tile a
+# program, cos/sin rows reloaded per tile (L2 hits), as inductor's elementwise kernel does.
+# FLAT_BHSD off sends (B, H, S, D) to the head-walking kernel too. 4 KiB tiles of q or k on 4 warps,
+# no eviction hints: 2.86 TB/s at q (4, 32, 4096, 128) bf16 on the H100, against 2.73 for the
+# head-walking kernel and 2.84 for torch.compile (docs/rope.md).
 FLAT_BHSD = True
-FLAT_LAUNCH = {"tile_bytes": 4096, "num_warps": 4, "evict": False}
-# Each with at least 16 bytes a thread in each half-row tile (tile_bytes >= 1024 num_warps): one
-# vectorized access per load and store.
-FLAT_CANDIDATES = [
-    *({"tile_bytes": t, "num_warps": w, "evict": True}
-      for t, w in ((2048, 2), (4096, 2), (4096, 4), (8192, 2), (8192, 4), (8192, 8), (16384, 4), (16384, 8),
-                   (32768, 8))),
-    *({"tile_bytes": t, "num_warps": w, "evict": False} for t, w in ((4096, 4), (8192, 4), (16384, 8))),
-]
+FLAT_TILE_BYTES = 4096
+FLAT_NUM_WARPS = 4
 
 
 @triton.jit
@@ -170,7 +144,6 @@ def _rotate_rows(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, DENSE: tl.constexpr,
     BATCH_TABLE: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
-    X_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
 ):
     """Rows [tile * ROWS, tile * ROWS + ROWS) of the R = B * H * S rows of x, row r being position
     r % S of head (r // S) % H of batch row r // (H * S); each row's D = 2 HALF elements contiguous."""
@@ -200,15 +173,15 @@ def _rotate_rows(
 
     c_ptrs = cos_ptr + c_rows[:, None] + cols * stride_cd
     s_ptrs = sin_ptr + s_rows[:, None] + cols * stride_sd
-    c1 = tl.load(c_ptrs, mask=mask, other=0.0, eviction_policy=T_EVICT).to(tl.float32)
-    c2 = tl.load(c_ptrs + HALF * stride_cd, mask=mask, other=0.0, eviction_policy=T_EVICT).to(tl.float32)
-    s1 = tl.load(s_ptrs, mask=mask, other=0.0, eviction_policy=T_EVICT).to(tl.float32)
-    s2 = tl.load(s_ptrs + HALF * stride_sd, mask=mask, other=0.0, eviction_policy=T_EVICT).to(tl.float32)
+    c1 = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptrs + HALF * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptrs + HALF * stride_sd, mask=mask, other=0.0).to(tl.float32)
 
     x_ptrs = x_ptr + x_rows[:, None] + cols
     # Both halves are loaded before either is stored: in place, out_ptr is x_ptr.
-    x1 = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
-    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     y1, y2 = _rotated(x1, x2, c1, c2, s1, s2, BACKWARD)
     out_ptrs = out_ptr + out_rows[:, None] + cols
     tl.store(out_ptrs, y1.to(out_ptr.dtype.element_ty), mask=mask)
@@ -223,7 +196,6 @@ def _rope_flat_kernel(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, DENSE: tl.constexpr,
     BATCH_TABLE: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
-    X_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
 ):
     """Forward (BACKWARD=False) or backward of rotate-half RoPE in (B, H, S, D) with unit dim
     stride and position stride D: programs [0, q_tiles) take q's tiles, the rest k's."""
@@ -232,22 +204,21 @@ def _rope_flat_kernel(
         _rotate_rows(
             q_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, Rq, S, Hq, stride_qb, stride_qh, stride_qob, stride_qoh,
             stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
-            HALF, BLOCK_HALF, ROWS, DENSE, BATCH_TABLE, BACKWARD, INDEX_64, X_EVICT, T_EVICT,
+            HALF, BLOCK_HALF, ROWS, DENSE, BATCH_TABLE, BACKWARD, INDEX_64,
         )
     else:
         _rotate_rows(
             k_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_tiles, Rk, S, Hk, stride_kb, stride_kh, stride_kob,
             stride_koh, stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
-            HALF, BLOCK_HALF, ROWS, DENSE, BATCH_TABLE, BACKWARD, INDEX_64, X_EVICT, T_EVICT,
+            HALF, BLOCK_HALF, ROWS, DENSE, BATCH_TABLE, BACKWARD, INDEX_64,
         )
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_shape(B: int, S: int, Hq: int, Hk: int, D: int, itemsize: int, bshd: bool,
-                  device_index: int) -> tuple[int, ...]:
+def _launch_shape(B: int, S: int, Hq: int, Hk: int, D: int, itemsize: int, device_index: int) -> tuple[int, ...]:
     """BLOCK_HALF, BLOCK_S, position blocks, heads per program, q chunks, chunks (q and k), heads
     per step, num_warps, stages."""
-    step_bytes, per_step, per_program, num_warps, stages = LAUNCH[bshd]
+    step_bytes, per_step, per_program, num_warps, stages = LAUNCH
     block_half = runtime.next_power_of_2(D // 2)
     block_s = min(runtime.next_power_of_2(S), max(1, step_bytes // (per_step * 2 * block_half * itemsize)))
     n_blocks = runtime.cdiv(S, block_s)
@@ -299,17 +270,14 @@ def _flat_shape(rows: int, D: int, itemsize: int, tile_bytes: int) -> tuple[int,
 _launch_rope_flat = runtime.FastLaunch(_rope_flat_kernel)
 
 
-def _launch_flat(q, k, q_out, k_out, cos, sin, Hk: int, backward: bool, launch: dict | None = None) -> None:
+def _launch_flat(q, k, q_out, k_out, cos, sin, Hk: int, backward: bool) -> None:
     """The flat path for (B, H, S, D) tensors whose slabs are contiguous (_slabs_contiguous); Hk 0
-    rotates q alone (k, k_out: any of q's tensors). `launch` overrides FLAT_LAUNCH
-    (scripts/probe_rope.py)."""
-    launch = FLAT_LAUNCH if launch is None else launch
+    rotates q alone (k, k_out: any of q's tensors)."""
     B, Hq, S, D = q.shape
     Rq, Rk = B * Hq * S, B * Hk * S
-    block_half, rows = _flat_shape(max(Rq, Rk), D, q.element_size(), launch["tile_bytes"])
+    block_half, rows = _flat_shape(max(Rq, Rk), D, q.element_size(), FLAT_TILE_BYTES)
     q_tiles = runtime.cdiv(Rq, rows)
     cos_strides, sin_strides = _table_strides(cos), _table_strides(sin)
-    evict = launch["evict"]
     _launch_rope_flat(
         (q_tiles + runtime.cdiv(Rk, rows),), q, k, q_out, k_out, cos, sin,
         S, Hq, Hk, Rq, Rk, q_tiles,
@@ -319,8 +287,7 @@ def _launch_flat(q, k, q_out, k_out, cos, sin, Hk: int, backward: bool, launch: 
         HALF=D // 2, BLOCK_HALF=block_half, ROWS=rows, DENSE=all(map(_dense, (q, k, q_out, k_out))),
         BATCH_TABLE=cos_strides[0] != 0 or sin_strides[0] != 0, BACKWARD=backward,
         INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin),
-        X_EVICT="evict_first" if evict else "", T_EVICT="evict_last" if evict else "",
-        num_warps=launch["num_warps"],
+        num_warps=FLAT_NUM_WARPS,
     )
 
 
@@ -337,7 +304,7 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
         _launch_flat(q, k, q_out, k_out, cos, sin, Hk, backward)
         return
     block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps, stages = _launch_shape(
-        B, S, Hq, Hk, D, q.element_size(), bshd, q.device.index or 0)
+        B, S, Hq, Hk, D, q.element_size(), q.device.index or 0)
     _launch_rope(
         (B * n_blocks * n_chunks,), q, k, q_out, k_out, cos, sin,
         S, Hq, Hk, n_blocks, q_chunks, n_chunks, per_program,
@@ -479,15 +446,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     bshd = layout == "bshd"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         if not inplace:
-            return RopeFunction.apply(q, k, cos, sin, bshd)
+            return runtime.apply(RopeFunction, q, k, cos, sin, bshd)
         if torch.compiler.is_compiling():
             # AOT autograd refuses a Function that writes into a view; a compiled graph
             # functionalizes the writes anyway, so torch's own copy_ costs nothing more there.
-            q_out, k_out = RopeFunction.apply(q, k, cos, sin, bshd)
+            q_out, k_out = runtime.apply(RopeFunction, q, k, cos, sin, bshd)
             return q.copy_(q_out), k.copy_(k_out)
         _check_writable("q", q)
         _check_writable("k", k)
-        return RopeInplaceFunction.apply(q, cos, sin, bshd), RopeInplaceFunction.apply(k, cos, sin, bshd)
+        return runtime.apply(RopeInplaceFunction, q, cos, sin, bshd), runtime.apply(RopeInplaceFunction, k, cos, sin, bshd)
     if inplace:
         rope_fwd_inplace(q, k, cos, sin, bshd)
         return q, k
@@ -625,7 +592,7 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     fused = (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
              and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling())
     if fused:
-        return QKVRopeFunction.apply(*tensors, cos, sin)
+        return runtime.apply(QKVRopeFunction, *tensors, cos, sin)
     return _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v)
 
 
@@ -648,210 +615,3 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     cos, sin = (t[None] if t.dim() == 2 else t for t in (cos, sin))
     cos, sin = cos.unsqueeze(head_dim), sin.unsqueeze(head_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _heads(shape_bhsd, layout, dtype, device, view=None):
-    """A (B, H, S, D) tensor in `layout` order of random values; `view` makes it non-contiguous:
-    "transposed" stores it in the other layout's order, "sliced" takes it from a wider last dim,
-    "strided" gives the head dimension a stride of 2."""
-    B, H, S, D = shape_bhsd
-    shape = (B, H, S, D) if layout == "bhsd" else (B, S, H, D)
-    if view == "transposed":
-        return torch.randn(shape[0], shape[2], shape[1], D, device=device).to(dtype).transpose(1, 2)
-    if view == "sliced":
-        return torch.randn(*shape[:3], D + 6, device=device).to(dtype)[..., 3:D + 3]
-    if view == "strided":
-        return torch.randn(*shape[:3], 2 * D, device=device).to(dtype)[..., ::2]
-    return torch.randn(shape, device=device).to(dtype)
-
-
-def _table(shape, dtype, device, transposed=False):
-    """Random cos/sin-like values in [-1, 1] whose two halves differ (no cat(freqs, freqs))."""
-    if transposed:
-        return (torch.rand(shape[::-1], device=device) * 2 - 1).to(dtype).mT
-    return (torch.rand(shape, device=device) * 2 - 1).to(dtype)
-
-
-def _test_cases() -> list[TestCase]:
-    def case(id, dtype, B, Hq, Hk, S, D, layout="bhsd", table="shared", table_dtype=None,
-             q_view=None, k_view=None, gpu_only=False):
-        def make(device):
-            q = _heads((B, Hq, S, D), layout, dtype, device, q_view).requires_grad_(True)
-            k = _heads((B, Hk, S, D), layout, dtype, device, k_view).requires_grad_(True)
-            tdtype = table_dtype or dtype
-            if table == "shared":
-                cos, sin = _table((S, D), tdtype, device), _table((S, D), tdtype, device)
-            elif table == "one":
-                cos, sin = _table((1, S, D), tdtype, device), _table((1, S, D), tdtype, device)
-            elif table == "batch":
-                cos, sin = _table((B, S, D), tdtype, device), _table((B, S, D), tdtype, device)
-            else:  # "mixed": a transposed float32 cos, an expanded bfloat16 sin
-                cos = _table((S, D), torch.float32, device, transposed=True)
-                sin = _table((1, S, D), torch.bfloat16, device).expand(B, S, D)
-            return (q, k, cos, sin), {"layout": layout}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = []
-    for dt in runtime.FLOAT_DTYPES:
-        name = short_dtype(dt)
-        cases += [
-            case(f"{name}-bhsd-gqa", dt, 2, 4, 2, 13, 32),
-            case(f"{name}-bshd-batch-table", dt, 2, 3, 1, 9, 16, layout="bshd", table="batch"),
-            case(f"{name}-bhsd-2x32/8x1024x128", dt, 2, 32, 8, 1024, 128, table="one", gpu_only=True),
-            case(f"{name}-bshd-2x32/8x1024x128", dt, 2, 32, 8, 1024, 128, layout="bshd", table="batch",
-                 gpu_only=True),
-        ]
-    cases += [
-        # Several position blocks (the last one partial), two chunks of q heads of two steps
-        # each, a k chunk with a masked half step.
-        case("fp32-blocks-and-chunks", torch.float32, 2, 12, 2, 20, 64, table="one"),
-        case("bf16-views-bhsd", torch.bfloat16, 2, 4, 2, 11, 32, q_view="transposed", k_view="sliced",
-             table="mixed"),
-        case("fp16-strided-bshd", torch.float16, 2, 3, 2, 7, 16, layout="bshd", q_view="strided",
-             k_view="transposed", table="batch", table_dtype=torch.float32),
-        # D/2 = 12 is not a power of two; Hq is not a multiple of Hk.
-        case("fp16-d24-h5/3", torch.float16, 1, 5, 3, 6, 24),
-        case("fp32-d2", torch.float32, 2, 2, 1, 3, 2, layout="bshd"),
-        case("fp32-empty-seq", torch.float32, 2, 3, 1, 0, 8),
-        case("bf16-bshd-2x28/4x4096x128-views", torch.bfloat16, 2, 28, 4, 4096, 128, layout="bshd",
-             q_view="sliced", k_view="transposed", table="mixed", gpu_only=True),
-    ]
-    return cases
-
-
-def _bench_table(S, D, dtype):
-    """HF's default rotary table for positions 0..S-1: (1, S, D) cos and sin."""
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, device=runtime.DEVICE, dtype=torch.float32) / D)
-    freqs = torch.arange(S, device=runtime.DEVICE, dtype=torch.float32)[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _bench_setup(B, Hq, Hk, S, D, layout, dtype, backward):
-    q = _heads((B, Hq, S, D), layout, dtype, runtime.DEVICE).requires_grad_(backward)
-    k = _heads((B, Hk, S, D), layout, dtype, runtime.DEVICE).requires_grad_(backward)
-    cos, sin = _bench_table(S, D, dtype)
-    lg = peers.liger()
-    # Liger takes (B, H, S, D) views and writes in place when their memory is (B, S, H, D).
-    to_liger = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
-    forwards = {
-        "tritonformer": lambda: apply_rope(q, k, cos, sin, layout),
-        "torch": lambda: apply_rope_reference(q, k, cos, sin, layout),
-        "torch.compile": peers.compiled(apply_rope_reference, q, k, cos, sin, layout),
-        "liger": (lambda: lg.LigerRopeFunction.apply(to_liger(q), to_liger(k), cos, sin, None, 1)) if lg else None,
-    }
-    q64, k64, cos64, sin64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, cos, sin))
-    if not backward:
-        return Bench(providers=peers.available(forwards),
-                     reference=lambda: apply_rope_reference(q64, k64, cos64, sin64, layout))
-
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
-
-    def fwd_bwd(forward, grads=(dq, dk)):
-        return None if forward is None else lambda: torch.autograd.grad(forward(), (q, k), grads)
-
-    providers = {name: fwd_bwd(fn) for name, fn in forwards.items() if name != "liger"}
-    providers["liger"] = fwd_bwd(forwards["liger"], (to_liger(dq), to_liger(dk)))
-    return Bench(
-        providers=peers.available(providers),
-        reference=lambda: torch.autograd.grad(apply_rope_reference(q64, k64, cos64, sin64, layout), (q64, k64),
-                                              (dq.double(), dk.double())),
-    )
-
-
-def _bench_cases() -> list[BenchCase]:
-    cases = []
-    grid = [  # B, Hq, Hk, S, D, layout, dtype
-        (1, 4, 2, 64, 32, "bhsd", torch.bfloat16),
-        (4, 32, 8, 4096, 128, "bhsd", torch.bfloat16),
-        (1, 32, 8, 8192, 128, "bhsd", torch.bfloat16),
-        (4, 32, 8, 4096, 128, "bshd", torch.bfloat16),
-        (4, 32, 8, 4096, 128, "bhsd", torch.float32),
-    ]
-    for B, Hq, Hk, S, D, layout, dtype in grid:
-        size = B * (Hq + Hk) * S * D * dtype.itemsize
-        table = 2 * S * D * dtype.itemsize
-        for mode, passes, title in (("fwd", 1, "forward"), ("fwd+bwd", 2, "forward+backward")):
-            setup = functools.partial(_bench_setup, B, Hq, Hk, S, D, layout, dtype, mode == "fwd+bwd")
-            cases.append(BenchCase("rope", mode, dtype, f"{B}x{Hq}/{Hk}x{S}x{D} {layout}", B * S, setup,
-                                   bytes=passes * (2 * size + table), plot=f"{title} {short_dtype(dtype)} {layout}",
-                                   quick=S == 64))
-    return cases
-
-
-def _qkv_test_cases() -> list[TestCase]:
-    def case(id, dtype, B, S, hidden, Hq, Hk, D, bias=False, table=(1,), x_view=False, gpu_only=False):
-        def make(device):
-            x = torch.randn(B, S, hidden, device=device)
-            if x_view:  # (B, S, hidden) read through a transposed view of (S, B, hidden) memory
-                x = torch.randn(S, B, hidden, device=device).transpose(0, 1)
-            x = x.to(dtype).requires_grad_(True)
-            ws = [(torch.randn(h * D, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
-                  for h in (Hq, Hk, Hk)]
-            bs = [torch.randn(h * D, device=device).to(dtype).requires_grad_(True) if bias else None
-                  for h in (Hq, Hk, Hk)]
-            cos, sin = (_table((*table, S, D) if table else (S, D), dtype, device) for _ in range(2))
-            return (x, *ws, cos, sin, *bs), {}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = [case(f"{short_dtype(dt)}-2x7x40-4/2x8", dt, 2, 7, 40, 4, 2, 8) for dt in runtime.FLOAT_DTYPES]
-    cases += [
-        case("fp32-bias-batch-table-x-view", torch.float32, 3, 5, 24, 3, 1, 16, bias=True, table=(3,), x_view=True),
-        case("bf16-shared-table-mha", torch.bfloat16, 1, 9, 32, 2, 2, 16, table=()),
-        case("bf16-2x1024x2048-16/4x128", torch.bfloat16, 2, 1024, 2048, 16, 4, 128, gpu_only=True),
-    ]
-    return cases
-
-
-def _qkv_bench_cases() -> list[BenchCase]:
-    cases = []
-    for B, S, hidden, Hq, Hk, D in [(4, 2048, 2048, 16, 4, 128), (2, 4096, 4096, 32, 8, 128), (1, 64, 256, 4, 2, 32)]:
-        dtype = torch.bfloat16
-
-        def setup(B=B, S=S, hidden=hidden, Hq=Hq, Hk=Hk, D=D, dtype=dtype):
-            device = runtime.DEVICE
-            x = torch.randn(B, S, hidden, device=device, dtype=dtype, requires_grad=True)
-            ws = [(torch.randn(h * D, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_(True)
-                  for h in (Hq, Hk, Hk)]
-            cos, sin = _bench_table(S, D, dtype)
-            douts = [torch.randn(B, h, S, D, device=device, dtype=dtype) for h in (Hq, Hk, Hk)]
-            inputs = (x, *ws)
-            lg = peers.liger()
-
-            def liger_qkv():
-                q, k, v = (torch.nn.functional.linear(x, w).view(B, S, -1, D).transpose(1, 2) for w in ws)
-                return (*lg.LigerRopeFunction.apply(q, k, cos, sin, None, 1), v)
-
-            def fwd_bwd(fn):
-                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, douts)
-
-            def reference():
-                leaves = [t.detach().float().requires_grad_(True) for t in inputs]
-                out = qkv_rope_reference(*leaves, cos.float(), sin.float())
-                return torch.autograd.grad(out, leaves, [d.float() for d in douts])
-
-            return Bench(peers.available({
-                "tritonformer": fwd_bwd(lambda: qkv_rope(*inputs, cos, sin)),
-                "torch": fwd_bwd(lambda: qkv_rope_reference(*inputs, cos, sin)),
-                "torch.compile": fwd_bwd(peers.compiled(qkv_rope_reference, *inputs, cos, sin)),
-                "liger": fwd_bwd(liger_qkv if lg else None),
-            }), reference=reference)
-
-        tokens = B * S
-        cases.append(BenchCase("qkv_rope", "fwd+bwd", dtype, f"{B}x{S}x{hidden} {Hq}/{Hk}x{D}", tokens, setup,
-                               flops=3 * 2 * tokens * hidden * (Hq + 2 * Hk) * D,
-                               plot=f"forward+backward {short_dtype(dtype)}", quick=S == 64))
-    return cases
-
-
-SPEC = OpSpec(
-    name="rope",
-    fn=apply_rope,
-    reference=apply_rope_reference,
-    test_cases=_test_cases,
-    bench_cases=_bench_cases,
-    compare="elementwise",
-)
-
-QKV_SPEC = OpSpec(name="qkv_rope", fn=qkv_rope, reference=qkv_rope_reference, test_cases=_qkv_test_cases,
-                  bench_cases=_qkv_bench_cases, compare="norm")

@@ -3,10 +3,12 @@
     y  = exp(x - max(x)) / sum(exp(x - max(x)))
     dx = y * (dy - sum(y * dy))
 
-Rows up to FUSED_MAX_N elements live in registers: the forward reads x once and writes y once,
-the backward reads y and dy once and writes dx once. Longer rows take a looped kernel: an online
-pass for max and sum (or for sum(y * dy)), then a pass that writes; the second read of the row
-mostly hits L2. Arithmetic is fp32 whatever the storage dtype.
+`softmax(x, dim)`: x in float32, float16 or bfloat16, of any shape and strides; arithmetic in
+float32. Rows (along `dim`) up to FUSED_MAX_N elements live in registers: the forward reads x
+once and writes y once, the backward reads y and dy once and writes dx once (from
+BWD_HALVES_MIN_N holding y and half of dy). Longer rows take looped kernels: an online pass for
+max and sum (or for sum(y * dy)), then a pass that writes, whose second read of the row mostly
+hits L2. Design: docs/softmax.md.
 """
 
 from __future__ import annotations
@@ -18,13 +20,10 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..bench import peers
-from ..bench.runner import short_dtype
-from ..spec import Bench, BenchCase, OpSpec, TestCase
 
 # A 32-warp program holds 32768 fp32 values in 32 registers per thread: the largest row kept
 # on chip without spilling. The backward's y and dy would fill all 64 registers of a thread at
-# 32 warps and spill; from BWD_HALVES_MIN_N it holds y and half of dy (docs/perf-notes.md).
+# 32 warps and spill; from BWD_HALVES_MIN_N it holds y and half of dy (docs/softmax.md).
 FUSED_MAX_N = 32768
 BWD_HALVES_MIN_N = 32768
 LOOP_CHUNK = 4096
@@ -147,9 +146,8 @@ def _rows_output(t: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.T
     return flat, flat.view(moved_shape).movedim(-1, dim)
 
 
-# Forward launch shapes (BLOCK_M, num_warps) measured best on the H100 for these row lengths
-# (scripts/sweep_launch.py): at 4096 columns two rows a program lift fp32 from 2.72 to 2.76 TB/s;
-# at 16384, 16 warps beat 32. Other lengths take the formula in _launch_shape.
+# Forward launch shapes (BLOCK_M, num_warps) measured best on the H100 for these row lengths (e.g.
+# 2.76 against 2.72 TB/s at 4096 fp32; docs/softmax.md); other lengths take _launch_shape's formula.
 FWD_LAUNCH = {1024: (4, 8), 4096: (2, 8), 16384: (1, 16)}
 
 
@@ -253,7 +251,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
     if x.requires_grad and torch.is_grad_enabled():
-        return SoftmaxFunction.apply(x, dim % x.dim())
+        return runtime.apply(SoftmaxFunction, x, dim % x.dim())
     return softmax_fwd(x, dim % x.dim())
 
 
@@ -261,87 +259,5 @@ def softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(x, dim=dim)
 
 
-def _softmax_bwd_reference(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def softmax_bwd_reference(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return y * (dy - (y * dy).sum(-1, keepdim=True))
-
-
-def _test_cases() -> list[TestCase]:
-    def case(id, shape, dtype, dim=-1, transpose=False, scale=1.0, gpu_only=False):
-        def make(device):
-            x = torch.randn(shape[::-1] if transpose else shape, device=device) * scale
-            x = x.to(dtype)
-            x = x.mT if transpose else x
-            return (x.requires_grad_(True),), {"dim": dim}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = []
-    for dt in runtime.FLOAT_DTYPES:
-        name = str(dt).replace("torch.", "")
-        cases += [
-            case(f"{name}-1x1", (1, 1), dt),
-            case(f"{name}-7x123", (7, 123), dt),
-            case(f"{name}-3x5x1000", (3, 5, 1000), dt),
-            case(f"{name}-dim0", (37, 11), dt, dim=0),
-            case(f"{name}-3x{FUSED_MAX_N}", (3, FUSED_MAX_N), dt),
-            case(f"{name}-looped-2x{FUSED_MAX_N + 77}", (2, FUSED_MAX_N + 77), dt),
-            case(f"{name}-4096x4096", (4096, 4096), dt, gpu_only=True),
-            case(f"{name}-8x262144", (8, 262144), dt, gpu_only=True),
-        ]
-    cases += [
-        case("fp32-transposed", (40, 17), torch.float32, transpose=True),
-        case("fp32-large-logits", (4, 999), torch.float32, scale=1e4),
-        case("fp32-empty", (0, 9), torch.float32),
-    ]
-    return cases
-
-
-def _bench_cases() -> list[BenchCase]:
-    cases = []
-    grid = [(4096, n) for n in (1024, 4096, 16384, 32768)] + [(512, 131072), (256, 262144)]
-    for dtype in (torch.float32, torch.bfloat16):
-        dname = short_dtype(dtype)
-        for M, N in grid:
-            quick = N <= 4096
-
-            def setup_fwd(M=M, N=N, dtype=dtype):
-                x = torch.randn(M, N, device=runtime.DEVICE, dtype=dtype)
-                lg = peers.liger()
-                return Bench(
-                    providers=peers.available({
-                        "tritonformer": lambda: softmax(x),
-                        "torch": lambda: torch.softmax(x, -1),
-                        "torch.compile": peers.compiled(torch.softmax, x, -1),
-                        "liger": (lambda: lg.LigerSoftmaxFunction.apply(x)) if lg else None,
-                    }),
-                    reference=lambda: torch.softmax(x.double(), -1),
-                )
-
-            def setup_bwd(M=M, N=N, dtype=dtype):
-                y = torch.softmax(torch.randn(M, N, device=runtime.DEVICE), -1).to(dtype)
-                dy = torch.randn(M, N, device=runtime.DEVICE, dtype=dtype)
-                return Bench(
-                    providers=peers.available({
-                        "tritonformer": lambda: softmax_bwd(y, dy, 1),
-                        "torch": lambda: torch._softmax_backward_data(dy, y, -1, dtype),
-                        "torch.compile": peers.compiled(_softmax_bwd_reference, y, dy),
-                    }),
-                    reference=lambda: _softmax_bwd_reference(y.double(), dy.double()),
-                )
-
-            size = M * N * dtype.itemsize
-            shape = f"{M}x{N}"
-            cases.append(BenchCase("softmax", "fwd", dtype, shape, N, setup_fwd, bytes=2 * size,
-                                   plot=f"forward {dname}", quick=quick))
-            cases.append(BenchCase("softmax", "bwd", dtype, shape, N, setup_bwd, bytes=3 * size,
-                                   plot=f"backward {dname}", quick=quick))
-    return cases
-
-
-SPEC = OpSpec(
-    name="softmax",
-    fn=softmax,
-    reference=softmax_reference,
-    test_cases=_test_cases,
-    bench_cases=_bench_cases,
-    compare="elementwise",
-)

@@ -1,12 +1,15 @@
 """SwiGLU, the gated activation of Llama's MLP, forward and backward, and the whole MLP.
 
-    h  = silu(g) * u,                 silu(g) = g * sigmoid(g)
+    h  = silu(g) * u,                     silu(g) = g * sigmoid(g)
     dg = dh * u * s * (1 + g * (1 - s)),  s = sigmoid(g)
     du = dh * silu(g)
 
-Elementwise in float32, rounded once to the storage dtype (torch's eager `F.silu(g) * u` rounds
-twice). The forward reads g and u and writes h; the backward reads g, u, dh and writes dg, du,
-and can also write h again (the MLP recomputes it instead of storing it).
+`swiglu(gate, up)`: two tensors of one shape and float dtype, their rows strided or not (e.g. the
+halves of one projection; other layouts are copied). Elementwise in float32, rounded once to the
+storage dtype (torch's eager `F.silu(g) * u` rounds twice). One kernel each way over blocks of
+rows (contiguous rows as one long row): the backward reads g, u, dh and writes dg, du, and for
+`swiglu_mlp(x, w_gate, w_up, w_down, ...)` also h, which the MLP recomputes instead of storing.
+Design: docs/swiglu.md.
 """
 
 from __future__ import annotations
@@ -16,13 +19,9 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..bench import peers
-from ..bench.runner import short_dtype
-from ..spec import Bench, BenchCase, OpSpec, TestCase
 
-# Programs of 2048 elements, 8 values a thread forward and 4 backward: the best of a sweep on the H100
-# over contiguous rows (scripts/sweep_launch.py; forward 2.98 TB/s at 8192x14336 bf16 and 2.85 at
-# 4096x11008, backward 3.01 and 2.93).
+# Programs of 2048 elements, 8 values a thread forward and 4 backward: the H100 sweep's best (forward
+# 2.98 TB/s, backward 3.01 at 8192x14336 bf16; docs/swiglu.md).
 MAX_BLOCK = 2048
 FWD_VALUES_PER_THREAD = 8
 BWD_VALUES_PER_THREAD = 4
@@ -190,7 +189,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in float32 and rounded once."""
     _check(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return SwiGLUFunction.apply(gate, up)
+        return runtime.apply(SwiGLUFunction, gate, up)
     return swiglu_fwd(gate, up)
 
 
@@ -246,141 +245,10 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     runtime.check_same_device(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, b_gate=b_gate, b_up=b_up, b_down=b_down)
     tensors = (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return SwiGLUMLPFunction.apply(*tensors)
+        return runtime.apply(SwiGLUMLPFunction, *tensors)
     return _mlp_forward(*tensors)[0]
 
 
 def swiglu_mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
     linear = torch.nn.functional.linear
     return linear(swiglu_reference(linear(x, w_gate, b_gate), linear(x, w_up, b_up)), w_down, b_down)
-
-
-def _test_cases() -> list[TestCase]:
-    def case(id, shape, dtype, sliced=False, scale=1.0, gpu_only=False):
-        def make(device):
-            if sliced:  # gate and up as halves of one fused projection's output
-                gu = (torch.randn(*shape[:-1], 2 * shape[-1], device=device) * scale).to(dtype).requires_grad_(True)
-                return gu.chunk(2, dim=-1), {}
-            gate = (torch.randn(shape, device=device) * scale).to(dtype).requires_grad_(True)
-            up = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
-            return (gate, up), {}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = []
-    for dt in runtime.FLOAT_DTYPES:
-        name = short_dtype(dt)
-        cases += [
-            case(f"{name}-1x1", (1, 1), dt),
-            case(f"{name}-3x5x1000", (3, 5, 1000), dt),
-            case(f"{name}-sliced-7x300", (7, 300), dt, sliced=True),
-            case(f"{name}-2048x14336", (2048, 14336), dt, gpu_only=True),
-        ]
-    cases += [
-        case("fp32-large-gate", (4, 999), torch.float32, scale=100.0),
-        case("fp32-empty", (0, 9), torch.float32),
-    ]
-    return cases
-
-
-def _mlp_test_cases() -> list[TestCase]:
-    def case(id, tokens, hidden, inter, dtype, bias=False, gpu_only=False):
-        def make(device):
-            x = torch.randn(*tokens, hidden, device=device).to(dtype).requires_grad_(True)
-            ws = [(torch.randn(o, i, device=device) / i**0.5).to(dtype).requires_grad_(True)
-                  for o, i in ((inter, hidden), (inter, hidden), (hidden, inter))]
-            bs = [torch.randn(n, device=device).to(dtype).requires_grad_(True) if bias else None
-                  for n in (inter, inter, hidden)]
-            return (x, *ws, *bs), {}
-        return TestCase(id, make, dtype, gpu_only=gpu_only)
-
-    cases = [case(f"{short_dtype(dt)}-2x5x48-128", (2, 5), 48, 128, dt) for dt in runtime.FLOAT_DTYPES]
-    cases += [
-        case("fp32-bias-7x33-70", (7,), 33, 70, torch.float32, bias=True),
-        case("bf16-4x512x1024-2816", (4, 512), 1024, 2816, torch.bfloat16, gpu_only=True),
-    ]
-    return cases
-
-
-def _bench_cases() -> list[BenchCase]:
-    cases = []
-    for M, N in [(8192, 14336), (4096, 11008), (16384, 4096), (256, 1024)]:
-        dtype = torch.bfloat16
-        quick = M == 256
-
-        def setup(mode, M=M, N=N, dtype=dtype):
-            device = runtime.DEVICE
-            g = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
-            u = torch.randn(M, N, device=device, dtype=dtype, requires_grad=mode != "fwd")
-            dh = torch.randn(M, N, device=device, dtype=dtype)
-            lg = peers.liger()
-            providers = {
-                "tritonformer": lambda: swiglu(g, u),
-                "torch": lambda: swiglu_reference(g, u),
-                "torch.compile": peers.compiled(swiglu_reference, g, u),
-                "liger": (lambda: lg.LigerSiLUMulFunction.apply(g, u)) if lg else None,
-            }
-            if mode == "fwd":
-                return Bench(peers.available(providers), reference=lambda: swiglu_reference(g.double(), u.double()))
-
-            def fwd_bwd(fn):
-                return None if fn is None else lambda: torch.autograd.grad(fn(), (g, u), dh)
-
-            def reference():
-                leaves = [g.detach().double().requires_grad_(True), u.detach().double().requires_grad_(True)]
-                return torch.autograd.grad(swiglu_reference(*leaves), leaves, dh.double())
-
-            return Bench(peers.available({k: fwd_bwd(v) for k, v in providers.items()}), reference=reference)
-
-        size = M * N * dtype.itemsize
-        shape = f"{M}x{N}"
-        cases.append(BenchCase("swiglu", "fwd", dtype, shape, M * N, lambda s=setup: s("fwd"), bytes=3 * size,
-                               plot=f"forward {short_dtype(dtype)}", quick=quick))
-        # forward: g, u read, h written; backward: g, u, dh read, dg, du written.
-        cases.append(BenchCase("swiglu", "fwd+bwd", dtype, shape, M * N, lambda s=setup: s("fwd+bwd"),
-                               bytes=8 * size, plot=f"forward+backward {short_dtype(dtype)}", quick=quick))
-    return cases
-
-
-def _mlp_bench_cases() -> list[BenchCase]:
-    cases = []
-    for tokens, hidden, inter in [(8192, 4096, 14336), (8192, 2048, 8192), (64, 256, 512)]:
-        dtype = torch.bfloat16
-
-        def setup(tokens=tokens, hidden=hidden, inter=inter, dtype=dtype):
-            device = runtime.DEVICE
-            x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
-            ws = [(torch.randn(o, i, device=device) / i**0.5).to(dtype).requires_grad_(True)
-                  for o, i in ((inter, hidden), (inter, hidden), (hidden, inter))]
-            dy = torch.randn(tokens, hidden, device=device, dtype=dtype)
-            inputs = (x, *ws)
-            lg = peers.liger()
-
-            def liger_mlp():
-                g = torch.nn.functional.linear(x, ws[0])
-                u = torch.nn.functional.linear(x, ws[1])
-                return torch.nn.functional.linear(lg.LigerSiLUMulFunction.apply(g, u), ws[2])
-
-            def fwd_bwd(fn):
-                return None if fn is None else lambda: torch.autograd.grad(fn(), inputs, dy)
-
-            def reference():
-                leaves = [t.detach().float().requires_grad_(True) for t in inputs]
-                return torch.autograd.grad(swiglu_mlp_reference(*leaves), leaves, dy.float())
-
-            return Bench(peers.available({
-                "tritonformer": fwd_bwd(lambda: swiglu_mlp(*inputs)),
-                "torch": fwd_bwd(lambda: swiglu_mlp_reference(*inputs)),
-                "torch.compile": fwd_bwd(peers.compiled(swiglu_mlp_reference, *inputs)),
-                "liger": fwd_bwd(liger_mlp if lg else None),
-            }), reference=reference)
-
-        cases.append(BenchCase("swiglu_mlp", "fwd+bwd", dtype, f"{tokens}x{hidden}x{inter}", tokens * inter, setup,
-                               flops=3 * 2 * 3 * tokens * hidden * inter, plot=f"forward+backward {short_dtype(dtype)}",
-                               quick=tokens == 64))
-    return cases
-
-
-SPEC = OpSpec(name="swiglu", fn=swiglu, reference=swiglu_reference, test_cases=_test_cases, bench_cases=_bench_cases)
-
-MLP_SPEC = OpSpec(name="swiglu_mlp", fn=swiglu_mlp, reference=swiglu_mlp_reference, test_cases=_mlp_test_cases,
-                  bench_cases=_mlp_bench_cases, compare="norm")

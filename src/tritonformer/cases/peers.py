@@ -1,4 +1,5 @@
-"""The implementations we measure ourselves against, built only where they can run."""
+"""The peers a benchmark case measures ours against (torch.compile, Liger-Kernel), built only where
+they can run."""
 
 from __future__ import annotations
 

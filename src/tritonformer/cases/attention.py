@@ -1,0 +1,194 @@
+"""Cases of `attention`: fp32, bf16 and fp16 with causal masks, windows, GQA/MQA, S_q != S_k,
+transposed inputs and packed variable-length batches for the tests; bf16 Llama-shaped heads
+(causal and full, forward and forward+backward) and a packed batch of 8 causal sequences for the
+benchmark, against SDPA's flash and cuDNN backends (the packed batch against SDPA on it padded)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..ops.attention import attention, attention_reference
+from ..spec import Bench, BenchCase, OpSpec, TestCase
+from . import peers
+
+
+def test_cases() -> list[TestCase]:
+    def case(id, dtype, B=1, H=2, H_kv=None, S_q=17, S_k=None, D=32, causal=False, window=None,
+             return_lse=False, transposed=False, gpu_only=False, **kw):
+        H_kv = H if H_kv is None else H_kv
+        S_k = S_q if S_k is None else S_k
+
+        def make(device):
+            def draw(heads, seq):
+                if transposed:  # (B, S, H, D) memory seen as (B, H, S, D)
+                    return torch.randn(B, seq, heads, D, device=device).to(dtype).transpose(1, 2)
+                return torch.randn(B, heads, seq, D, device=device).to(dtype)
+
+            q, k, v = draw(H, S_q), draw(H_kv, S_k), draw(H_kv, S_k)
+            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
+                causal=causal, window=window, return_lse=return_lse)
+
+        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
+
+    def varlen(id, dtype, lens_q, lens_k, H=2, H_kv=None, D=32, causal=False, window=None, return_lse=False,
+               gpu_only=False, **kw):
+        """A packed batch: q (sum(lens_q), H, D), k and v (sum(lens_k), H_kv, D)."""
+        H_kv = H if H_kv is None else H_kv
+
+        def make(device):
+            def cu(lens):
+                return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+
+            q = torch.randn(sum(lens_q), H, D, device=device).to(dtype)
+            k, v = (torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype) for _ in range(2))
+            return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
+                causal=causal, window=window, return_lse=return_lse, cu_seqlens_q=cu(lens_q),
+                cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+        return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [
+        case("fp32-s1", fp32, S_q=1),
+        case("fp32-s17-lse", fp32, return_lse=True),
+        case("fp32-s40-causal-lse", fp32, S_q=40, causal=True, return_lse=True),
+        case("fp32-sq17-sk40-causal", fp32, S_q=17, S_k=40, causal=True),
+        case("fp32-gqa-window", fp32, H=4, H_kv=2, S_q=40, window=9),
+        case("fp32-d96-transposed", fp32, S_q=17, S_k=23, D=96, transposed=True),
+        case("bf16-s17", bf16),
+        case("bf16-s40-causal-d64", bf16, S_q=40, causal=True, D=64),
+        case("bf16-gqa-causal-window", bf16, H=4, H_kv=2, S_q=40, causal=True, window=12),
+        case("bf16-mqa-sq1-sk40", bf16, H=4, H_kv=1, S_q=1, S_k=40),
+        case("fp16-s40-sk17", fp16, S_q=40, S_k=17),
+        case("fp16-mqa-causal-d64", fp16, B=2, H=4, H_kv=1, S_q=17, S_k=33, causal=True, D=64),
+        case("bf16-s1000-causal-d128", bf16, S_q=1000, causal=True, D=128, gpu_only=True),
+        case("bf16-s4097-d128", bf16, S_q=4097, D=128, gpu_only=True),
+        case("bf16-s4097-causal-d128-gqa", bf16, H=4, H_kv=2, S_q=4097, causal=True, D=128, gpu_only=True),
+        case("bf16-s1000-d256-window", bf16, S_q=1000, D=256, causal=True, window=256, gpu_only=True),
+        case("fp16-s1000-d96-sk777", fp16, S_q=1000, S_k=777, D=96, causal=True, gpu_only=True),
+        # Packed batches: lengths 0 and 1, S_q != S_k per sequence, rows with no key (causal).
+        varlen("varlen-fp32-lse", fp32, [5, 1, 0, 23], [9, 1, 4, 30], return_lse=True),
+        varlen("varlen-fp32-causal", fp32, [17, 1, 0, 9, 20], [30, 1, 3, 0, 6], causal=True),
+        varlen("varlen-bf16-gqa-causal-window", bf16, [33, 1, 0, 12], [40, 1, 5, 12], H=4, H_kv=2, causal=True,
+               window=7),
+        varlen("varlen-fp16-mqa-window-d64", fp16, [7, 19], [19, 7], H=4, H_kv=1, D=64, window=3),
+        varlen("varlen-bf16-causal-d128-gqa", bf16, [1, 700, 64, 1500, 0, 1, 1000, 830],
+               [1, 700, 90, 1500, 3, 1, 1000, 900], H=8, H_kv=2, D=128, causal=True, gpu_only=True),
+    ]
+    return cases
+
+
+def _attention_flops(B, H, S, D, causal):
+    flops = 4 * B * H * S * S * D
+    return flops // 2 if causal else flops
+
+
+def bench_cases() -> list[BenchCase]:
+    grid = [  # B, H, S, D, causal, quick
+        (4, 32, 4096, 128, True, False),
+        (4, 32, 4096, 128, False, False),
+        (8, 16, 2048, 64, True, False),
+        (1, 32, 16384, 128, True, False),
+        (1, 2, 64, 32, True, True),
+    ]
+    cases = []
+    dtype = torch.bfloat16
+    for B, H, S, D, causal, quick in grid:
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(B=B, H=H, S=S, D=D, causal=causal, mode=mode):
+                device = runtime.DEVICE
+                grad = mode != "fwd"
+                q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+                do = torch.randn(B, H, S, D, device=device, dtype=dtype)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+
+                def backend(name):
+                    if runtime.INTERPRET:
+                        return None
+                    kernel = getattr(torch.nn.attention.SDPBackend, name)
+
+                    def run():
+                        with torch.nn.attention.sdpa_kernel(kernel):
+                            return sdpa(q, k, v, is_causal=causal)
+                    return run
+
+                providers = {"tritonformer": lambda: attention(q, k, v, causal=causal)}
+                if quick and runtime.INTERPRET:
+                    providers["torch"] = lambda: attention_reference(q, k, v, causal=causal)
+                providers["sdpa-flash"] = backend("FLASH_ATTENTION")
+                providers["sdpa-cudnn"] = backend("CUDNN_ATTENTION")
+                # The float32 reference materializes B*H*S*S scores: moderate sizes only.
+                small = B * H * S * S <= 2**28
+
+                def ref_fwd():
+                    return attention_reference(q.float(), k.float(), v.float(), causal=causal)
+
+                if mode == "fwd":
+                    return Bench(peers.available(providers), reference=ref_fwd if small else None)
+
+                def fwd_bwd(fn):
+                    return None if fn is None else lambda: torch.autograd.grad(fn(), (q, k, v), do)
+
+                def ref_bwd():
+                    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+                    return torch.autograd.grad(attention_reference(*leaves, causal=causal), leaves, do.float())
+
+                return Bench(peers.available({n: fwd_bwd(f) for n, f in providers.items()}),
+                             reference=ref_bwd if small else None)
+
+            flops = _attention_flops(B, H, S, D, causal)
+            flops = flops if mode == "fwd" else int(flops * 3.5)
+            title = "forward" if mode == "fwd" else "forward+backward"
+            cases.append(BenchCase(
+                "attention", mode, dtype, f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}", S, setup,
+                flops=flops, plot=f"{title} {'causal' if causal else 'full'} bf16", quick=quick, compare="norm"))
+    return cases + _varlen_bench_cases()
+
+
+def _varlen_bench_cases() -> list[BenchCase]:
+    """A packed batch of 8 causal sequences (16384 tokens) against SDPA on the same batch padded
+    to its longest sequence (what a caller without varlen does). FLOPs count the packed work."""
+    lens, H, D, dtype = [4096, 512, 3000, 1, 2048, 1500, 4000, 1227], 32, 128, torch.bfloat16
+    cases = []
+    for mode in ("fwd", "fwd+bwd"):
+        def setup(mode=mode):
+            device, grad, total, longest = runtime.DEVICE, mode != "fwd", sum(lens), max(lens)
+            cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+            q, k, v = (torch.randn(total, H, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+            do = torch.randn(total, H, D, device=device, dtype=dtype)
+            kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+            padded = [torch.randn(len(lens), H, longest, D, device=device, dtype=dtype, requires_grad=grad)
+                      for _ in range(3)]
+            do_padded = torch.randn(len(lens), H, longest, D, device=device, dtype=dtype)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            providers = {"tritonformer": lambda: attention(q, k, v, **kw)}
+            if not runtime.INTERPRET:
+                def run_sdpa():
+                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                        return sdpa(*padded, is_causal=True)
+                providers["sdpa-flash-padded"] = run_sdpa
+            if mode == "fwd":
+                def ref():
+                    return attention_reference(q.float(), k.float(), v.float(), **kw)
+                return Bench(providers, reference=ref)
+            return Bench({"tritonformer": lambda: torch.autograd.grad(providers["tritonformer"](), (q, k, v), do),
+                          **({} if runtime.INTERPRET else {"sdpa-flash-padded": lambda: torch.autograd.grad(
+                              providers["sdpa-flash-padded"](), padded, do_padded)})})
+
+        flops = sum(_attention_flops(1, H, n, D, True) for n in lens)
+        flops = flops if mode == "fwd" else int(flops * 3.5)
+        title = "forward" if mode == "fwd" else "forward+backward"
+        cases.append(BenchCase("attention", mode, dtype, f"varlen8x{sum(lens)}xH{H}xD{D}-causal", sum(lens), setup,
+                               flops=flops, plot=f"{title} varlen causal bf16", compare="norm"))
+    return cases
+
+
+SPEC = OpSpec(
+    name="attention",
+    fn=attention,
+    reference=attention_reference,
+    test_cases=test_cases,
+    bench_cases=bench_cases,
+    compare="norm",
+)

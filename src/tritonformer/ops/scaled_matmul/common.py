@@ -1,0 +1,39 @@
+"""What scaled_matmul's kernel paths share: split-K for grids of few output tiles, the launch of
+a plan (first launch, then replays), and x as int32 words of bf16 pairs. See docs/scaled_matmul.md."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import runtime
+
+
+def split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) -> tuple[int, int]:
+    """(splits, K a split: a multiple of block_k) so that a grid of few output tiles (small M)
+    still has about programs_per_sm programs an SM streaming the weight; each split keeps at
+    least 1024 of K."""
+    if runtime.INTERPRET:
+        split = 2 if K >= 2 * block_k else 1
+    else:
+        want = runtime.cdiv(programs_per_sm * runtime.num_sms(device.index or 0), tiles)
+        split = max(1, min(want, K // 1024, 16))
+    k_per_split = runtime.cdiv(runtime.cdiv(K, split), block_k) * block_k
+    return runtime.cdiv(K, k_per_split), k_per_split
+
+
+def launch_planned(launch: runtime.FastLaunch, grid, args, constexprs, entries: list, bias, tensor_scale) -> None:
+    """Replay a plan's launch, or launch it the first time and keep its entry in the plan."""
+    if entries:
+        launch.replay(entries[0], grid, *args)
+        return
+    entries.append(launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
+                          TENSOR_SCALE=int(tensor_scale is not None)))
+
+
+def bf16_words(x: torch.Tensor) -> torch.Tensor:
+    """bf16 x (M, K) as (M, K / 2) int32 words of pairs, copied first when its rows do not start
+    on aligned words (the kernels load x's words)."""
+    if x.stride(1) != 1 or x.data_ptr() % 4 or x.stride(0) % 2:
+        # clone's default keeps a transposed x transposed; contiguous() keeps a one-row view's odd stride.
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(torch.int32)
