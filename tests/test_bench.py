@@ -68,6 +68,21 @@ def test_bench_add_end_to_end(only_add, tmp_path, capsys):
     assert "add" in out and "best peer" in out
 
 
+def test_a_run_stopped_half_way_keeps_the_cases_it_measured(monkeypatch, tmp_path):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    spec = _fake_spec("fake", {"tritonformer": lambda x: x + 1}, cases=2)
+    cases = spec.bench_cases()
+    cases[1] = BenchCase("fake", "fwd", torch.float32, "stopped", 1, lambda: interrupted(), quick=True)
+    monkeypatch.setattr(registry, "OPS", {"fake": OpSpec("fake", spec.fn, spec.reference, spec.test_cases,
+                                                         lambda: cases)})
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "fake", "--quick", "--out", str(tmp_path)])
+    _, rows = _read_csv(tmp_path / "results.csv")
+    assert [(r["shape"], r["provider"], r["check"]) for r in rows] == [("n=64 #0", "tritonformer", "ok")]
+
+
 def test_unknown_op_is_a_clear_error(only_add, capsys):
     assert main(["bench", "no_such_op"]) == 2
     err = capsys.readouterr().err
@@ -219,3 +234,9 @@ def test_e2e_stacks_train_to_the_same_loss(tmp_path):
     report = e2e.write_report(rows + [dict(stack="hf+liger", error="liger_kernel is not installed")], sizes, tmp_path)
     text = report.read_text()
     assert "| tritonformer |" in text and "+0.00%" in text and (tmp_path / "e2e.png").exists()
+
+
+@pytest.mark.skipif(not runtime.INTERPRET, reason="names of the CPU's peers")
+def test_the_cpu_grid_names_torchs_cpu_matmul_as_such():
+    providers = {p for c in registry.OPS["matmul"].bench_cases() if c.quick for p in c.setup().providers}
+    assert "torch (CPU)" in providers and not any("cuBLAS" in p for p in providers)

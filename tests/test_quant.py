@@ -328,3 +328,10 @@ def test_scales_copies_follow_the_scales(fmt, device):
 def test_bad_input_is_named(bad, error, match, device):
     with pytest.raises(error, match=match):
         bad(device)
+
+
+def test_repr_shows_layouts_not_values(device):
+    q = quant.quantize(torch.randn(256, 512, device=device), "nvfp4")
+    text = repr(q)
+    assert text.startswith("QuantizedTensor('nvfp4', shape=(256, 512), axis=1, data=uint8[256, 256]")
+    assert "tensor_scale=float32" in text and len(text) < 300

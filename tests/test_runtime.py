@@ -1,5 +1,10 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -7,7 +12,7 @@ import triton.language as tl
 import tritonformer as tf
 from tritonformer import runtime
 
-from conftest import gpu_only
+from conftest import ON_GPU, gpu_only
 
 
 def test_backward_replays_products_planned_in_the_forward_thread(device):
@@ -125,3 +130,64 @@ def test_tuning_times_candidates_as_launched_in_rounds_and_keeps_the_choice(monk
     assert timed == [1, 2, 3, 4, 2, 4, 3, 2, 4, 3]
     assert call(keep=True) == (4, [4]) and timed == []  # read back: not timed, the choice compiled alone
     assert call(keep=False) == (4, [1, 2, 3, 4]) and len(timed) == 10  # timed again
+
+
+@pytest.mark.skipif(ON_GPU, reason="the case of a machine without a GPU")
+def test_the_interpreter_turned_off_without_a_gpu_is_a_clear_error():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-m", "tritonformer", "info"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "TRITON_INTERPRET is set to 0 but torch sees no CUDA GPU" in done.stderr
+    assert "AssertionError" not in done.stderr
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's numpy warnings")
+def test_the_interpreters_numpy_warnings_stay_quiet():
+    # exp2 overflowing to inf, as gelu_tanh's epilogue means it to on large inputs, made numpy warn
+    # into the benchmark's progress line.
+    code = ("import torch, tritonformer as tf; a = torch.full((16, 16), -30.0); "
+            "tf.matmul(a, -a, torch.zeros(16), activation='gelu_tanh')")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-W", "default", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning: overflow" not in done.stderr and "encountered in" not in done.stderr
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even_like_torch(device):
+    # Random values, exact ties (a float32 half way between two bf16 neighbours, even and odd),
+    # values that round up into the next binade, subnormals, infinities and NaN.
+    ties = (torch.arange(1, 2**12, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-40, -1e-40, 1.0 - 2**-24,
+                             2.0 - 2**-9, 1.0 + 2**-8])
+    x = torch.cat([torch.randn(100_000) * 10.0 ** torch.randint(-30, 30, (100_000,)), ties, specials]).to(device)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    _to_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    nan = torch.full((4,), float("nan"), device=device)
+    _to_bf16_kernel[(1,)](nan, y, 4, BLOCK=1024)
+    assert torch.isnan(y[:4]).all()
+
+
+def test_bfloat16_outputs_are_rounded_as_torch_rounds(device):
+    # Each of these rounds one float32 result to bf16: add's equals torch's bit for bit; the
+    # others' float32 arithmetic may differ from torch's in its last bits, so nearly all (not all)
+    # equal torch's rounding of the float64 result, where truncation left half of them one ulp low.
+    a, b = torch.randn(2, 64, 512, device=device).to(torch.bfloat16)
+    assert torch.equal(tf.add(a, b).view(torch.int16), (a + b).view(torch.int16))
+    w = torch.randn(512, device=device).to(torch.bfloat16)
+    cases = [
+        (tf.swiglu(a, b), torch.nn.functional.silu(a.double()) * b.double()),
+        (tf.rms_norm(a, w), (a.double() * torch.rsqrt(a.double().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            torch.bfloat16).double() * w.double()),
+        (tf.matmul(a, b.t()), a.double() @ b.double().t()),
+    ]
+    for ours, exact in cases:
+        assert (ours == exact.to(torch.bfloat16)).float().mean() > 0.97

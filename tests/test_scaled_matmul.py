@@ -294,6 +294,14 @@ def test_quantized_linear_from_linear(fmt, device):
     assert torch.equal(fresh(x), out)
 
 
+def test_quantized_linear_names_its_input_when_the_dtype_is_wrong(device):
+    import tritonformer.nn as tnn
+
+    layer = tnn.QuantizedLinear(64, 24, "mxfp4", device=device)
+    with pytest.raises(TypeError, match="^x has dtype torch.float32; supported: bfloat16"):
+        layer(torch.randn(3, 64, device=device))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_quantized_linear_runs_the_weight_loaded_into_it(fmt, device):
     # The copies of the scales that kernels make are kept with the layer's buffer across calls; a
@@ -337,3 +345,34 @@ def test_quantized_linear_survives_a_dtype_cast(fmt, device):
     assert layer.weight_data.dtype == torch.uint8 and layer.weight_scales.dtype == torch.uint8
     assert torch.equal(layer.weight.dequantize(), layer.to(torch.float16).weight.dequantize())
     assert _relative_error(layer(x), before) < 1e-2  # only the bias was rounded to bf16
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 17, 300])
+def test_the_activation_and_bias_get_their_gradients(fmt, M, device):
+    # QLoRA: the frozen block-scaled weight passes gradients back to the layers before it.
+    import tritonformer.nn as tnn
+
+    N, K = 48, 128
+    w = quant.quantize(torch.randn(N, K, device=device), fmt, axis=1)
+    x = torch.randn(M, K, device=device).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(N, device=device).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(M, N, device=device).to(torch.bfloat16)
+    dx, dbias = torch.autograd.grad(scaled_matmul(x, w, bias=bias), (x, bias), dy)
+    w64 = quant.dequantize_reference(w).double()
+    assert (dx.double() - dy.double() @ w64).norm() / (dy.double() @ w64).norm() < 1e-2
+    assert (dbias.double() - dy.double().sum(0)).norm() / dy.double().sum(0).norm() < 1e-2
+    # B quantized along axis 0, (K, N): A @ B, so dA = dC B^T.
+    w0 = quant.quantize(torch.randn(K, N, device=device), fmt, axis=0)
+    (dx0,) = torch.autograd.grad(scaled_matmul(x, w0), x, dy)
+    expected = dy.double() @ quant.dequantize_reference(w0).double().t()
+    assert (dx0.double() - expected).norm() / expected.norm() < 1e-2
+    # A layer after a trainable one: the gradient reaches it, eager and compiled alike.
+    layer = tnn.QuantizedLinear.from_linear(torch.nn.Linear(K, N).to(device), fmt)
+    trainable = torch.nn.Linear(K, K).to(device).to(torch.bfloat16)
+    h = torch.randn(M, K, device=device).to(torch.bfloat16)
+    layer(trainable(h)).float().sum().backward()
+    eager = trainable.weight.grad.clone()
+    trainable.weight.grad = None
+    compile_fullgraph(lambda t: layer(trainable(t)).float().sum())(h).backward()
+    assert (trainable.weight.grad.double() - eager.double()).norm() / eager.double().norm() < 1e-2

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from . import runtime
 
 INTERPRETER_NOTICE = (
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command != "report" and not runtime.INTERPRET and not torch.cuda.is_available():
+        print("tritonformer: TRITON_INTERPRET is set to 0 but torch sees no CUDA GPU; unset it (or set it to 1) to "
+              "run the kernels under Triton's CPU interpreter", file=sys.stderr)
         return EXIT_USAGE
     return args.handler(args)
 
@@ -85,8 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"tritonformer bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     ceilings = runner.measure_ceilings(quick)
-    rows = runner.run(ops, quick, ceilings=ceilings)
     out_dir = args.out or Path("bench-out") / ceilings["device_slug"]
+    rows = runner.run(ops, quick, ceilings=ceilings, on_case=report.csv_appender(out_dir / "results.csv"))
     report_path = report.write_report(rows, ceilings, out_dir)
     (out_dir / "configs.json").write_text(json.dumps(runtime.TunedLauncher.chosen_configs(), indent=1, default=str))
     print(report.summary_table(rows))

@@ -9,7 +9,7 @@ from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
-from . import quant
+from . import quant, runtime
 from .ops.rope import LAYOUTS as ROPE_LAYOUTS, apply_rope
 from .ops.scaled_matmul import scaled_matmul
 from .ops.swiglu import swiglu_mlp
@@ -28,6 +28,8 @@ class Linear(torch.nn.Linear):
     transposed in place, no copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.dim() == 1:  # torch's Linear takes a single vector
+            return matmul(x[None], self.weight.t(), self.bias)[0]
         return matmul(x, self.weight.t(), self.bias)
 
 
@@ -191,6 +193,7 @@ class QuantizedLinear(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        runtime.check_tensor("x", x, (torch.bfloat16,), min_dim=1)
         out = scaled_matmul(x.reshape(-1, self.in_features), self.weight, out_dtype=x.dtype, bias=self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 

@@ -69,7 +69,11 @@ NVFP4_TENSOR_DIV = 448.0 * 6.0
 _SCALE_COPIES = torch.utils.weak.WeakIdKeyDictionary()
 
 
-@dataclass
+def _layout(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+@dataclass(repr=False)
 class QuantizedTensor:
     """A block-scaled tensor: see the module doc for the layout of `data` and `scales`."""
 
@@ -79,6 +83,14 @@ class QuantizedTensor:
     shape: torch.Size  # the logical (unquantized) shape
     axis: int  # the quantized axis of `shape`, non-negative
     tensor_scale: torch.Tensor | None = None  # nvfp4's float32 scalar
+
+    def __repr__(self) -> str:
+        # The tensors' layouts, not their values: a weight's repr would print megabytes.
+        parts = [f"{self.fmt!r}", f"shape={tuple(self.shape)}", f"axis={self.axis}",
+                 f"data={_layout(self.data)}", f"scales={_layout(self.scales)}"]
+        if self.tensor_scale is not None:
+            parts.append(f"tensor_scale={_layout(self.tensor_scale)}")
+        return f"QuantizedTensor({', '.join(parts)})"
 
     def _scales_copy(self, layout, make) -> torch.Tensor:
         """The copy of `scales` that `make(scales)` returns, kept for the next call while `scales`
@@ -164,6 +176,16 @@ def _pow2(e):
 def _max_keeping_nan(a, b):
     """tl.max's combine skips NaN; a block holding one must have a NaN amax."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_amax(a):
+    """Each row's maximum of a (rows, cols) block of magnitudes, NaN where the row holds one."""
+    if runtime.COMPILED:
+        return tl.reduce(a, 1, _max_keeping_nan)
+    # The interpreter runs a custom combine element by element in Python (docs/runtime.md):
+    # a row's sum is NaN exactly where the row holds a NaN.
+    return tl.where(tl.sum(a, axis=1) != tl.sum(a, axis=1), float("nan"), tl.max(a, axis=1))
 
 
 @triton.jit
@@ -327,11 +349,11 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, amax_ptr, tensor_scale_ptr, n_b
     if FMT == "mxfp8":
         cols = blk[:, None] * VEC + tl.arange(0, VEC)[None, :]
         x = tl.load(x_ptr + cols, mask=ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.abs(x), 1, _max_keeping_nan)
+        amax = _row_amax(tl.abs(x))
     else:
         pairs = blk[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         lo, hi = _load_pairs(x_ptr, pairs, ok[:, None])
-        amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 1, _max_keeping_nan)
+        amax = _row_amax(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL))
     if FMT == "nvfp4":
         tensor_amax = tl.load(amax_ptr)
         s = tl.where(tensor_amax >= _FLOAT32_MIN_NORMAL, tl.math.div_rn(tensor_amax, _NVFP4_TENSOR_DIV), 1.0)

@@ -20,6 +20,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -47,6 +48,25 @@ POISON: bool = os.environ.get("TRITONFORMER_POISON", "0") == "1"
 # run before the benchmark left it a 64x256 tile for bf16 1024^3, 15-18 us against 11).
 KEEP_TUNING: bool = os.environ.get("TRITONFORMER_KEEP_TUNING", "1") == "1"
 
+def _install_rounding_conversion() -> None:
+    """Triton 3.6's interpreter converts float32 to bfloat16 by truncation (a cast, and so a store
+    of a float32 value to a bf16 pointer), where the GPU and torch round to nearest even: one in
+    four random sums came out one ulp toward zero. Its converter is replaced, for that pair of
+    types and every rounding mode but round-toward-zero, by torch's conversion (docs/runtime.md)."""
+    from triton.runtime import interpreter
+
+    truncating = interpreter._convert_float
+    toward_zero = interpreter._ir.ROUNDING_MODE.RTZ
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != toward_zero:
+            floats = torch.from_numpy(np.ascontiguousarray(values).view(np.float32))
+            return floats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(values.shape)
+        return truncating(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+
+
 if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -57,6 +77,10 @@ if INTERPRET:
             "tritonformer: no CUDA GPU, and triton was imported before TRITON_INTERPRET=1 was set (by "
             "another import, e.g. transformers). Import tritonformer first, or set TRITON_INTERPRET=1 "
             "in the environment.")
+    _install_rounding_conversion()
+    # The interpreter evaluates kernels with numpy, which warns where a kernel means what IEEE
+    # arithmetic gives (exp2 of a large argument is inf, a masked lane's 0 / 0 is NaN).
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     warnings.warn(
         "tritonformer: no CUDA GPU, kernels run under Triton's CPU interpreter (correct results, not GPU speed)",
         RuntimeWarning,
@@ -755,6 +779,17 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype] | None = FLOAT_DTYP
 
 def _on_kernel_device(t: torch.Tensor) -> bool:
     return t.is_cpu if INTERPRET else t.is_cuda
+
+
+def check_no_grad(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ValueError naming the first of `tensors` that requires grad where `op` has no backward
+    for it: its output would silently carry no gradient back to it."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but {op} has no backward with respect to it; pass "
+                             f"{name}.detach() or call it under torch.no_grad()")
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:

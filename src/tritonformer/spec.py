@@ -27,6 +27,16 @@ def short_dtype(dtype: torch.dtype) -> str:
     return _SHORT_DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+# Under the interpreter a CPU runs a kernel's programs one after another, a row block each: the
+# quick grid keeps each case's row length (which picks the kernel and its launch) and few rows.
+INTERPRETER_ROWS = 64
+
+
+def bench_rows(rows: int, interpret: bool) -> int:
+    """The rows a benchmark case takes: `rows`, or at most INTERPRETER_ROWS under the interpreter."""
+    return min(rows, INTERPRETER_ROWS) if interpret else rows
+
+
 @dataclass(frozen=True)
 class TestCase:
     """One input configuration for the generic registry tests.

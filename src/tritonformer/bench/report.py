@@ -10,7 +10,7 @@ import csv
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .runner import COLUMNS, OURS, format_figure, format_speedup, headline, ours_failed
 
@@ -87,6 +87,19 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def csv_appender(path: Path) -> Callable[[list[dict]], None]:
+    """A function that appends rows to a new results.csv at `path` and flushes them to disk: a
+    run killed half way keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_csv([], path)
+
+    def append(rows: list[dict]) -> None:
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS).writerows(rows)
+
+    return append
 
 
 def rows_by_op(rows: list[dict]) -> dict[str, list[dict]]:

@@ -184,10 +184,11 @@ def describe_error(exc: BaseException) -> str:
 # Running cases
 
 
-def run(ops: list[str] | None, quick: bool, progress: bool = True, ceilings: dict[str, Any] | None = None) -> list[dict]:
+def run(ops: list[str] | None, quick: bool, progress: bool = True, ceilings: dict[str, Any] | None = None,
+        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Rows (keys: COLUMNS) for every selected case and provider, ours first in each case and
-    always present. `ceilings` (from
-    `measure_ceilings`) fills `frac_ceiling`; without it that column stays empty."""
+    always present. `ceilings` (from `measure_ceilings`) fills `frac_ceiling`; without it that
+    column stays empty. `on_case` gets each case's rows as soon as they are measured."""
     specs = registered_ops()
     cases = [case for name in select_ops(ops) for case in specs[name].bench_cases() if _selected(case, quick)]
     if not runtime.INTERPRET:
@@ -199,6 +200,8 @@ def run(ops: list[str] | None, quick: bool, progress: bool = True, ceilings: dic
         case_rows = run_case(case, case.compare or specs[case.op].compare, ceilings or {})
         if progress:
             _progress_end(case_rows)
+        if on_case is not None:
+            on_case(case_rows)
         rows += case_rows
     return rows
 

@@ -13,6 +13,9 @@ from ..ops.matmul import ACTIVATIONS, FP8, activation_reference, matmul, matmul_
 from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
 from . import peers
 
+# torch.matmul runs cuBLAS on a GPU; under the interpreter it is torch's CPU matmul.
+TORCH_MATMUL = "torch (CPU)" if runtime.INTERPRET else "cuBLAS"
+
 
 def test_cases() -> list[TestCase]:
     def rand(shape, dtype, device, grad=True):
@@ -27,8 +30,8 @@ def test_cases() -> list[TestCase]:
             else:
                 b = rand(b_shape, dtype, device)
             kwargs = {}
-            if bias:
-                kwargs["bias"] = rand((b_shape[-1],), dtype if dtype != FP8 else torch.bfloat16, device)
+            if bias:  # float8 matmul has no backward: its bf16 bias needs no gradient
+                kwargs["bias"] = rand((b_shape[-1],), dtype if dtype != FP8 else torch.bfloat16, device, dtype != FP8)
             if activation:
                 kwargs["activation"] = activation
             if fp8_scales == "tensor":
@@ -99,7 +102,7 @@ def bench_cases() -> list[BenchCase]:
                     a = torch.randn(*lead, M, K, device=dev, dtype=dtype)
                     b = torch.randn(*lead, K, N, device=dev, dtype=dtype)
                     return Bench(
-                        providers={"tritonformer": lambda: matmul(a, b), "cuBLAS": lambda: torch.matmul(a, b)},
+                        providers={"tritonformer": lambda: matmul(a, b), TORCH_MATMUL: lambda: torch.matmul(a, b)},
                         reference=lambda: torch.matmul(a.float(), b.float()),
                     )
 
@@ -125,7 +128,7 @@ def bench_cases() -> list[BenchCase]:
                 return Bench(
                     providers=peers.available({
                         "tritonformer": lambda: matmul(a, b, bias, act),
-                        "cuBLAS+torch": cublas_then_torch,
+                        f"{TORCH_MATMUL}+torch": cublas_then_torch,
                         "torch.compile": peers.compiled(fused_reference),
                     }),
                     reference=fused_reference,
@@ -159,7 +162,7 @@ def bench_cases() -> list[BenchCase]:
             def run(fn):
                 return lambda: torch.autograd.grad(fn(a, b), (a, b), dout)
 
-            return Bench(providers={"tritonformer": run(matmul), "cuBLAS": run(torch.matmul)},
+            return Bench(providers={"tritonformer": run(matmul), TORCH_MATMUL: run(torch.matmul)},
                          reference=lambda: (dout.double() @ b.double().T, a.double().T @ dout.double()))
 
         cases.append(BenchCase("matmul", "fwd+bwd", torch.bfloat16, f"{M}x{N}x{K}", M, setup_bwd,

@@ -10,7 +10,7 @@ import torch
 from .. import runtime
 from ..ops.norm import (FUSED_MAX_N, add_rms_norm, add_rms_norm_reference, layer_norm, layer_norm_reference,
                         rms_norm, rms_norm_reference)
-from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
+from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows, short_dtype
 from . import peers
 
 
@@ -63,7 +63,7 @@ def _norm_test_cases(rms: bool) -> list[TestCase]:
 def _norm_bench_cases(rms: bool) -> list[BenchCase]:
     op = "rms_norm" if rms else "layer_norm"
     cases = []
-    grid = [(16384, 4096), (16384, 8192), (4096, 2048), (4096, 16384)]
+    grid = [(16384, 4096), (16384, 8192), (bench_rows(4096, runtime.INTERPRET), 2048), (4096, 16384)]
     for M, N in grid:
         dtype = torch.bfloat16
         quick = N == 2048

@@ -8,7 +8,7 @@ import torch
 
 from .. import runtime
 from ..ops.softmax import FUSED_MAX_N, softmax, softmax_bwd, softmax_bwd_reference, softmax_reference
-from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
+from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows, short_dtype
 from . import peers
 
 
@@ -44,7 +44,8 @@ def test_cases() -> list[TestCase]:
 
 def bench_cases() -> list[BenchCase]:
     cases = []
-    grid = [(4096, n) for n in (1024, 4096, 16384, 32768)] + [(512, 131072), (256, 262144)]
+    rows = bench_rows(4096, runtime.INTERPRET)
+    grid = [(rows, n) for n in (1024, 4096, 16384, 32768)] + [(512, 131072), (256, 262144)]
     for dtype in (torch.float32, torch.bfloat16):
         dname = short_dtype(dtype)
         for M, N in grid:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import types
 import warnings
 import weakref
@@ -164,6 +165,16 @@ def _is_sharded(weight) -> bool:
     return isinstance(weight, DTensor)
 
 
+def _parameters(hf_forward) -> tuple[list[str], str]:
+    """(the names of a module forward's parameters after self and its first input, the name it
+    gives the KV cache): wrappers take HF's arguments by name whatever their order, and
+    transformers renamed past_key_values to cache in 5.2x."""
+    params = [p for p in inspect.signature(hf_forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][2:]
+    names = [p.name for p in params]
+    return names, "cache" if "cache" in names else "past_key_values"
+
+
 SILU_NAMES = ("silu", "swish")
 
 
@@ -189,18 +200,25 @@ def _attention_forward(hf_forward, family: Family):
     nn.Linear projections (HF's forward otherwise: LoRA-wrapped projections, autocast, inference,
     torch.compile, which traces HF's code with our ops inside). The rest is HF's code as it is."""
 
+    names, cache = _parameters(hf_forward)
+
     @functools.wraps(hf_forward)
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            kwargs.update(zip(names, args))
+        position_embeddings = kwargs.get("position_embeddings")
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if not (torch.is_grad_enabled() and position_embeddings is not None
                 and all(_is_plain_linear(p) for p in projections)
                 and not torch.is_autocast_enabled(hidden_states.device.type) and not torch.compiler.is_compiling()):
-            return hf_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return hf_forward(self, hidden_states, **kwargs)
+        kwargs.pop("position_embeddings")
+        attention_mask = kwargs.pop("attention_mask", None)
+        past = kwargs.pop(cache, None)
         cos, sin = position_embeddings
         q, k, v = qkv_rope(hidden_states, *(p.weight for p in projections), cos, sin, *(p.bias for p in projections))
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if past is not None:
+            k, v = past.update(k, v, self.layer_idx)
         if family.sliding_window == "config":
             kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
         elif family.sliding_window == "module":
@@ -222,18 +240,18 @@ def _decoder_layer_forward(hf_forward, family: Family):
     summands share a dtype (not so under autocast with float32 weights); HF's code otherwise."""
     norm_cls = family.cls("RMSNorm")
 
+    names, _ = _parameters(hf_forward)
+
     @functools.wraps(hf_forward)
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            kwargs.update(zip(names, args))
         norm = self.post_attention_layernorm
         if type(norm) is not norm_cls:
-            return hf_forward(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
-                              position_embeddings, **kwargs)
+            return hf_forward(self, hidden_states, **kwargs)
         residual = hidden_states
-        attention_out, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
+        # HF's layer hands the attention every argument it was given, by name.
+        attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         if attention_out.dtype == residual.dtype and attention_out.shape == residual.shape:
             hidden_states, residual = add_rms_norm(attention_out, residual, norm.weight,
                                                    getattr(norm, family.norm_eps), family.norm_offset)
@@ -433,26 +451,30 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
 def _causal_lm_forward(hf_forward, family: Family):
     """ForCausalLM.forward with the fused linear cross-entropy in training (see the module doc)."""
 
+    names, cache = _parameters(hf_forward)
+
     @functools.wraps(hf_forward)
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, *args, **kwargs):
+        if args:
+            kwargs.update(zip(names, args))
         if family.add_norm and LINKED not in self.__dict__:
             _link_next_norms(self, family)
             self.__dict__[LINKED] = True
+        labels, logits_to_keep = kwargs.get("labels"), kwargs.get("logits_to_keep", 0)
         # logits_to_keep with labels is HF's to reject (their batch sizes differ).
         fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
                  and not _is_sharded(self.lm_head.weight)
                  and isinstance(logits_to_keep, int) and logits_to_keep == 0)
         if not fused:
-            return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                              use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            return hf_forward(self, input_ids, **kwargs)
+        for name in ("labels", "logits_to_keep"):
+            kwargs.pop(name, None)
         if input_ids is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(input_ids.device.type):
             runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
                                   _warm_step, self, family, *input_ids.shape)
-        if (position_ids is None and attention_mask is None and past_key_values is None and not use_cache
-                and input_ids is not None and not torch.compiler.is_compiling()):
-            position_ids = _default_positions(input_ids.shape[1], input_ids.device)
+        if (kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None and kwargs.get(cache) is None
+                and not kwargs.get("use_cache") and input_ids is not None and not torch.compiler.is_compiling()):
+            kwargs["position_ids"] = _default_positions(input_ids.shape[1], input_ids.device)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
@@ -461,9 +483,8 @@ def _causal_lm_forward(hf_forward, family: Family):
             return_dict = getattr(self.config, "return_dict", True)
         # A loss-only step never reads a KV cache; HF's default (config.use_cache) would copy every
         # layer's K and V into one. An explicit use_cache=True still gets it.
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                             use_cache=bool(use_cache), **kwargs)
+        kwargs["use_cache"] = bool(kwargs.get("use_cache"))
+        outputs = self.model(input_ids=input_ids, **kwargs)
         hidden = outputs.last_hidden_state
         target = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
         weight, bias = self.lm_head.weight, self.lm_head.bias
@@ -474,8 +495,8 @@ def _causal_lm_forward(hf_forward, family: Family):
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, num_items_in_batch=num_items_in_batch)
-        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
         return out if return_dict else out.to_tuple()
 
     forward.tritonformer_wraps = hf_forward

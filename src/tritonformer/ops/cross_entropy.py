@@ -7,8 +7,9 @@ Per row of logits x (V classes) with target t, label smoothing e and z-loss weig
     dloss/dx_j = softmax(x)_j (1 + 2 z lse) - (1 - e) [j == t] - e / V
 
 Rows whose target is ignore_index have loss 0 and gradient 0; "mean" divides by the count of the
-others (NaN when all are ignored, as in PyTorch). Nothing waits on the GPU, so a target outside
-[0, V) gives its row NaN, never an out-of-bounds read.
+others (NaN when all are ignored, as in PyTorch). A target outside [0, V) raises, as in PyTorch:
+a ValueError under the interpreter, a device-side assert on a GPU (checking on the host would wait
+for the GPU).
 
 `cross_entropy`, logits (..., V): the forward (one program a row, an online max and sum) keeps each
 row's max and log-sum; the backward reads the row again and writes the gradient, into a new tensor
@@ -116,7 +117,10 @@ def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss,
     return dx * tl.where((t >= 0) & (t < V), g, float("nan"))
 
 
-@triton.jit
+# The row kernels assert that a row's target is ignore_index or in [0, V), as torch's CUDA loss
+# does (a device-side assert); debug=True compiles the assert in, and the launches turn off the
+# integer-overflow checks that debug would add (_row_launch). See docs/cross_entropy.md.
+@triton.jit(debug=not runtime.INTERPRET)
 def _ce_fwd_kernel(
     x_ptr, target_ptr, loss_ptr, stats_ptr, out_ptr, counter_ptr, V, stride_x, stride_t, ignore_index,
     label_smoothing, z_loss, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
@@ -131,6 +135,7 @@ def _ce_fwd_kernel(
     loss = tl.zeros((), tl.float32)
     # An ignored row is not read at all.
     if t != ignore_index:
+        tl.device_assert((t >= 0) & (t < V), "cross_entropy: a target is neither ignore_index nor in [0, V)")
         m, log_s, mean_below_max, x_t = _row_stats(x_ptr + row * stride_x, t, V, CHUNK, STAGES, HAS_SMOOTHING)
         loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         tl.store(stats_ptr + 2 * row, m)
@@ -172,7 +177,7 @@ def _ce_bwd_kernel(
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(debug=not runtime.INTERPRET)
 def _loss_and_grad_kernel(
     x_ptr, target_ptr, loss_ptr, scale_ptr, V, stride_t, stride_scale, ignore_index, label_smoothing, z_loss,
     CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
@@ -188,6 +193,8 @@ def _loss_and_grad_kernel(
             offs = start + cols
             tl.store(x_row + offs, tl.zeros((CHUNK,), tl.float32).to(x_ptr.dtype.element_ty), mask=offs < V)
     else:
+        tl.device_assert((t >= 0) & (t < V),
+                         "fused_linear_cross_entropy: a target is neither ignore_index nor in [0, V)")
         m, log_s, mean_below_max, x_t = _row_stats(x_row, t, V, CHUNK, STAGES, HAS_SMOOTHING)
         loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         g = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
@@ -258,7 +265,8 @@ _launch_scale = runtime.FastLaunch(_scale_kernel)
 def _row_launch(V: int, row_chunk: int = ROW_CHUNK) -> dict:
     """Launch settings for a program that loops over a row of V logits."""
     chunk = min(row_chunk, runtime.next_power_of_2(V))
-    return {"CHUNK": chunk, "STAGES": ROW_STAGES, "num_warps": max(1, min(ROW_WARPS, chunk // 512))}
+    launch = {"CHUNK": chunk, "STAGES": ROW_STAGES, "num_warps": max(1, min(ROW_WARPS, chunk // 512))}
+    return launch if runtime.INTERPRET else {**launch, "sanitize_overflow": False}
 
 
 def _flags(label_smoothing: float, z_loss: float) -> dict:
@@ -379,6 +387,16 @@ def cross_entropy_bwd_inplace(
     _grad_into(logits, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
 
 
+def _refuse_second_backward(ctx, op: str, why: str, instead: str) -> None:
+    """A backward that overwrites what it saved runs once a graph: a second one (retain_graph=True)
+    raises this, before autograd's own check of the saved tensors' versions speaks of in-place
+    operations without saying which."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(f"{op}: a second backward through the same graph (retain_graph=True) is not supported: "
+                           f"{why}. Run the forward again, or use {instead}.")
+    ctx.backward_done = True
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, inplace_backward):
@@ -392,6 +410,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.inplace_backward:
+            _refuse_second_backward(ctx, "cross_entropy(inplace_backward=True)",
+                                    "the first backward wrote the gradient over the saved logits",
+                                    "inplace_backward=False")
         logits, target, stats = ctx.saved_tensors
         if ctx.inplace_backward:
             cross_entropy_bwd_inplace(logits, target, stats, grad_loss, *ctx.args)
@@ -412,10 +434,17 @@ def _check_loss_args(ignore_index, reduction, label_smoothing, z_loss) -> None:
         raise ValueError(f"z_loss must be a finite float >= 0, got {z_loss!r}")
 
 
-def _check_target(target, expected_shape: tuple, what: str) -> None:
+def _check_target(target, expected_shape: tuple, what: str, classes: int, ignore_index: int) -> None:
     runtime.check_tensor("target", target, TARGET_DTYPES)
     if tuple(target.shape) != tuple(expected_shape):
         raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
+    # On the CPU a look at the values is cheap; on a GPU it would wait for the GPU: there the
+    # kernels assert instead (see _ce_fwd_kernel).
+    if runtime.INTERPRET and not torch.compiler.is_compiling():
+        bad = (target != ignore_index) & ((target < 0) | (target >= classes))
+        if bad.any():
+            raise ValueError(f"target holds {target[bad][0].item()}, neither ignore_index ({ignore_index}) nor a "
+                             f"class in [0, {classes})")
 
 
 def cross_entropy(
@@ -439,17 +468,18 @@ def cross_entropy(
     else reads the logits afterwards (another loss, a metric, another autograd node that saved
     them), and backward runs once. The returned gradient aliases the logits' storage.
 
-    A target that is neither ignore_index nor in [0, V) gives NaN for its row (see the module).
+    A target that is neither ignore_index nor in [0, V) raises: a ValueError on the CPU, a
+    device-side assert on a GPU (as torch's loss does there).
     """
     runtime.check_tensor("logits", logits, runtime.FLOAT_DTYPES, min_dim=1)
-    _check_target(target, logits.shape[:-1], "logits.shape[:-1]")
-    runtime.check_same_device(logits=logits, target=target)
-    _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
     V = logits.shape[-1]
     if V == 0:
         raise ValueError("logits must have at least one class (last dimension 0)")
+    _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
+    _check_target(target, logits.shape[:-1], "logits.shape[:-1]", V, ignore_index)
+    runtime.check_same_device(logits=logits, target=target)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
     x, t = runtime.rows_view(logits, V), target.reshape(-1)
     args = (int(ignore_index), float(label_smoothing), float(z_loss), reduction)
     if logits.requires_grad and torch.is_grad_enabled():
@@ -598,8 +628,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             _, dh, dw, db = fused_linear_cross_entropy_fwd(hidden, weight, target, bias, None, grad_loss, *ctx.args,
                                                            "none", *ctx.flags)
         else:
-            # Scaled in place: scale_ bumps their version counters, so a second backward through
-            # the same graph is refused by autograd's check on these saved tensors.
+            _refuse_second_backward(ctx, "fused_linear_cross_entropy",
+                                    "the forward made the gradients and the first backward scaled them in place",
+                                    "reduction='none', which recomputes them in its backward")
             dh, dw, db = ctx.saved_tensors
             for grad, needed in zip((dh, dw, db), ctx.flags):
                 if needed:
@@ -677,9 +708,9 @@ def fused_linear_cross_entropy(
             raise TypeError(f"bias has dtype {bias.dtype} but hidden has {hidden.dtype}; they must match")
         if tuple(bias.shape) != (V,):
             raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
-    _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
-    runtime.check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
     _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
+    _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]", V, ignore_index)
+    runtime.check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
     num_items = _num_items_tensor(num_items_in_batch, reduction, hidden.device)
     h, t = hidden.reshape(-1, H), target.reshape(-1)
     args = (int(ignore_index), float(label_smoothing), float(z_loss))

@@ -100,7 +100,10 @@ def _norm_fwd_kernel(
         # E[x^2] - E[x]^2 does when the mean is large against the spread.
         shift = tl.load(x_ptr + rows64 * stride_xm, mask=row_ok[:, None], other=0.0).to(tl.float32)
         d = tl.where(mask, x - shift, 0.0)
-        sum_d, sum_dd = tl.reduce((d, d * d), 1, _add_pair)
+        if runtime.COMPILED:
+            sum_d, sum_dd = tl.reduce((d, d * d), 1, _add_pair)
+        else:  # the interpreter runs a custom combine element by element in Python (docs/runtime.md)
+            sum_d, sum_dd = tl.sum(d, axis=1), tl.sum(d * d, axis=1)
         mean_d = sum_d / N
         mean = tl.reshape(shift, (BLOCK_M,)) + mean_d
         rstd = 1.0 / tl.sqrt(tl.maximum(sum_dd / N - mean_d * mean_d, 0.0) + eps)

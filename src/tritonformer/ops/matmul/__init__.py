@@ -484,9 +484,7 @@ class MatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        a, b, pre = ctx.saved_tensors
-        if a.dtype == FP8:
-            raise NotImplementedError("matmul has no backward for float8 operands")
+        a, b, pre = ctx.saved_tensors  # never float8: matmul refuses float8 inputs that need a gradient
         dpre = activation_grad(pre, dout, ctx.activation, ctx.negative_slope) if ctx.activation else dout
         dpre = dpre.to(a.dtype)
         da = db = dbias = None
@@ -556,6 +554,7 @@ def matmul(
         _check_scale("scale_b", scale_b, N, "column of b")
         scale_a = scale_a.reshape(-1).contiguous() if scale_a is not None else None
         scale_b = scale_b.reshape(-1).contiguous() if scale_b is not None else None
+        runtime.check_no_grad("float8 matmul", a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
     elif scale_a is not None or scale_b is not None:
         raise ValueError("scale_a and scale_b apply to float8_e4m3fn operands only")
     if out_dtype is not None and out_dtype not in runtime.FLOAT_DTYPES:
@@ -564,7 +563,7 @@ def matmul(
         bias = bias.contiguous()
     code, slope = ACTIVATIONS[activation], float(negative_slope)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or bias is not None and bias.requires_grad):
-        return MatmulFunction.apply(a, b, bias, scale_a, scale_b, code, slope, out_dtype)
+        return runtime.apply(MatmulFunction, a, b, bias, scale_a, scale_b, code, slope, out_dtype)
     return matmul_fwd(a, b, bias, scale_a, scale_b, code, slope, out_dtype, False)[0]
 
 

@@ -5,8 +5,9 @@
 
 B is stored as (N, K) rows quantized along K: B of logical shape (K, N) quantized along axis 0 gives
 A @ B, (N, K) quantized along axis 1 (nn.Linear's weight) A @ B.T. A is (M, K), quantized along K
-when block-scaled. No backward. Hopper has no block-scaled MMA: codes times scales are exact in
-bf16, so the kernels decode them for bf16 tensor cores (or CUDA cores) with float32 sums. The path
+when block-scaled; a bf16 A and the bias get gradients (ScaledMatmulFunction), B none. Hopper has
+no block-scaled MMA: codes times scales are exact in bf16, so the kernels decode them for bf16
+tensor cores (or CUDA cores) with float32 sums. The path
 (_product), in order: dot_scaled.py (sm_100, both operands block-scaled, from DOT_SCALED_MIN_M
 rows); gemv.py (one bf16 row); wgmma.py (Hopper, bf16 rows WGMMA_MIN_M to WGMMA_MAX_M);
 dequantize_first.py (from DEQUANTIZE_FIRST_MIN_M rows); mma.py (up to MMA_MAX_M bf16 rows times
@@ -59,11 +60,48 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         if bias.shape != (N,):
             raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
     runtime.check_same_device(a=a_data, b=b.data, bias=bias)
+    if torch.is_grad_enabled() and (a_data.requires_grad or bias is not None and bias.requires_grad):
+        return runtime.apply(ScaledMatmulFunction, a_data, bias, b.data, b.scales, b.tensor_scale, b.fmt,
+                             tuple(b.shape), b.axis, out_dtype)
+    return _forward(a, b, out_dtype, bias)
+
+
+def _forward(a, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b.data, b.scales, b.fmt, list(b.shape),
-                                 b.axis, b.tensor_scale, out_dtype, bias)
+        a_data, a_scales, a_fmt, a_tensor_scale = ((a.data, a.scales, a.fmt, a.tensor_scale)
+                                                   if isinstance(a, QuantizedTensor) else (a, None, "bf16", None))
+        return scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, a.shape[0], b.data, b.scales, b.fmt,
+                                 list(b.shape), b.axis, b.tensor_scale, out_dtype, bias)
     # Eager: no QuantizedTensors taken apart and rebuilt (host time is most of a decode step's).
     return _product(a, b, out_dtype, bias)
+
+
+class ScaledMatmulFunction(torch.autograd.Function):
+    """scaled_matmul of a bf16 A with gradients for A and the bias; the block-scaled B is frozen
+    (QLoRA's base weight). dA = dC B, through B dequantized to bf16 (docs/scaled_matmul.md); under
+    torch.compile the dequantize is plain PyTorch, which inductor fuses into the product's input."""
+
+    @staticmethod
+    def forward(ctx, a, bias, b_data, b_scales, b_tensor_scale, b_fmt, b_shape, b_axis, out_dtype):
+        b = QuantizedTensor(b_data, b_scales, b_fmt, torch.Size(b_shape), b_axis, b_tensor_scale)
+        ctx.save_for_backward(b_data, b_scales, b_tensor_scale)
+        ctx.b_format = b_fmt, b_shape, b_axis
+        ctx.a_dtype = a.dtype
+        return _forward(a, b, out_dtype, bias)
+
+    @staticmethod
+    def backward(ctx, dc):
+        b_data, b_scales, b_tensor_scale = ctx.saved_tensors
+        fmt, shape, axis = ctx.b_format
+        b = QuantizedTensor(b_data, b_scales, fmt, torch.Size(shape), axis, b_tensor_scale)
+        da = dbias = None
+        if ctx.needs_input_grad[0]:
+            w = (quant.dequantize_reference(b, ctx.a_dtype) if torch.compiler.is_compiling()
+                 else quant.dequantize(b, ctx.a_dtype))
+            da = dc.to(ctx.a_dtype) @ (w if axis == 1 else w.t())
+        if ctx.needs_input_grad[1]:
+            dbias = dc.float().sum(0)
+        return da, dbias, None, None, None, None, None, None, None
 
 
 def _fake_scaled_matmul_fwd(a_data, a_scales, a_fmt, a_tensor_scale, M, b_data, b_scales, b_fmt, b_shape, b_axis,
