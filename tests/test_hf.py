@@ -417,7 +417,7 @@ def test_a_failed_background_compile_is_counted_and_logged(caplog):
         raise TypeError("a warm-up that no longer fits its launcher")
 
     with caplog.at_level("DEBUG", logger="tritonformer"):
-        runtime._in_background(runtime._ahead_pool(), broken)
+        runtime._in_background(runtime._ahead_pool(), runtime._counting_failure, broken)
         runtime.wait_for_background_work()
     assert runtime.background_failures == failures + 1
     assert "no longer fits" in caplog.text

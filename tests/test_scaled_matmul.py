@@ -376,3 +376,16 @@ def test_the_activation_and_bias_get_their_gradients(fmt, M, device):
     trainable.weight.grad = None
     compile_fullgraph(lambda t: layer(trainable(t)).float().sum())(h).backward()
     assert (trainable.weight.grad.double() - eager.double()).norm() / eager.double().norm() < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 17, 520])
+def test_a_warm_up_leaves_the_plans_working(M, device):
+    # A warm-up's launches only compile: the plans it makes must not keep its (absent) entries.
+    w = quant.quantize(torch.randn(40, 256, device=device), "nvfp4", axis=1)
+    x = torch.randn(M, 256, device=device).to(torch.bfloat16)
+    runtime.warm(scaled_matmul, x.clone().requires_grad_(), w)
+    torch.testing.assert_close(scaled_matmul(x, w), scaled_matmul_reference(x, w), rtol=2e-2, atol=2e-2)
+    bias = torch.randn(40, device=device).requires_grad_()
+    with pytest.raises(ValueError, match="^bias requires grad, but scaled_matmul with a block-scaled a"):
+        scaled_matmul(quant.quantize(x.float(), "mxfp8"), quant.quantize(torch.randn(40, 256, device=device),
+                                                                         "mxfp8", axis=1), bias=bias)

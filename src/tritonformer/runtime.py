@@ -141,9 +141,10 @@ _COMPILE_ONLY = contextvars.ContextVar("tritonformer_compile_only", default=Fals
 
 
 def compiling_ahead() -> bool:
-    """True in compile_ahead's thread, where launches only compile: a launcher skips work that
-    launches nothing of its own (e.g. torch matmuls between its kernels)."""
-    return _COMPILE_ONLY.get()
+    """True in compile-only mode (compile_only, a warm-up), where launches only compile: a launcher
+    skips work that launches nothing of its own (e.g. torch matmuls between its kernels). Never
+    under torch.compile, which traces the real work (and cannot trace a context variable)."""
+    return not torch.compiler.is_compiling() and _COMPILE_ONLY.get()
 
 
 def _lower_priority() -> None:
@@ -183,7 +184,7 @@ _background_lock = threading.Lock()
 
 
 def _in_background(pool: ThreadPoolExecutor, fn: Callable, *args) -> Future:
-    future = pool.submit(_counting_failure, fn, *args)
+    future = pool.submit(fn, *args)
     with _background_lock:
         _background_jobs[:] = [f for f in _background_jobs if not f.done()]
         _background_jobs.append(future)
@@ -191,8 +192,9 @@ def _in_background(pool: ThreadPoolExecutor, fn: Callable, *args) -> Future:
 
 
 _log = logging.getLogger("tritonformer")
-# Background compiles that raised: a warm-up whose call no longer fits its launcher shows here
-# (and in the debug log) instead of silently compiling nothing.
+# Warm-ups (compile_ahead's jobs) that raised: one whose call no longer fits its launchers shows
+# here (and in the debug log) instead of silently compiling nothing. A config that fails to compile
+# is not counted: the autotuner times it as failing.
 background_failures = 0
 
 
@@ -203,7 +205,7 @@ def _counting_failure(fn: Callable, *args):
     except Exception:
         with _background_lock:
             background_failures += 1
-        _log.debug("tritonformer: a background compile failed", exc_info=True)
+        _log.debug("tritonformer: a background warm-up failed", exc_info=True)
         raise
 
 
@@ -242,7 +244,7 @@ def compile_ahead(key, fn: Callable, *args) -> None:
         with torch.cuda.device(device):
             compile_only(fn, *args)
 
-    _in_background(_ahead_pool(), job)
+    _in_background(_ahead_pool(), _counting_failure, job)
 
 
 def compile_only(fn: Callable, *args, **kwargs):
@@ -312,7 +314,8 @@ def launch_keys() -> set[tuple]:
 
 
 def launched_ahead() -> set[tuple]:
-    """launch_keys()'s (launcher, key) for the launches made in compile_only mode so far."""
+    """launch_keys()'s (launcher, key) for the kernels readied ahead and not launched for real
+    since (an autotuned kernel's: every tuning key whose candidates compiled, ahead or not)."""
     return _keys("compiling", "compiling")
 
 
@@ -415,7 +418,7 @@ class FastLaunch:
                                        _in_background(_compile_pool(), _warmup, self.kernel, device, grid, args, kwargs))
             return entry
         if entry is None:
-            pending = self.compiling.get(key)
+            pending = self.compiling.pop(key, None)
             if pending is not None:
                 pending.exception()  # compiled ahead: the launch below finds it in Triton's cache
             if device is not None:

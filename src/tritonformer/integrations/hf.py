@@ -388,7 +388,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     """Ready the Triton kernels of a training step of `model` on (batch, seq) tokens: each op of
     the step's first layer and its loss, called as the patched forward calls it, goes through
     runtime.warm (its launches only compile) on unwritten tensors laid out as the step's own
-    activations, with the model's own parameters. A first step then waits for the slowest of
+    activations and parameters. A first step then waits for the slowest of
     these compiles rather than for their sum. A guess that misses (another layout, say) costs a
     compile, never a wrong result: the real launch compiles its own."""
     config = model.config
@@ -400,13 +400,19 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     def activation(*shape):
         return torch.empty(*shape, dtype=dtype, device=device, requires_grad=True)
 
+    # Stand-ins for the parameters, not the parameters: this thread must not read weights that
+    # FSDP shards or gathers meanwhile (or start a collective on them).
+    def like(p, grad=True):
+        return None if p is None else torch.empty(p.shape, dtype=p.dtype, device=device,
+                                                  requires_grad=grad and p.requires_grad)
+
     x = activation(batch, seq, hidden_size)
     norm = layer.input_layernorm
-    runtime.warm(rms_norm, x, norm.weight, getattr(norm, family.norm_eps), family.norm_offset)
+    runtime.warm(rms_norm, x, like(norm.weight), getattr(norm, family.norm_eps), family.norm_offset)
     norm = layer.post_attention_layernorm
     if family.add_norm:
-        runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), norm.weight, getattr(norm, family.norm_eps),
-                     family.norm_offset)
+        runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), like(norm.weight),
+                     getattr(norm, family.norm_eps), family.norm_offset)
 
     # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
     def heads_view(n):
@@ -418,11 +424,11 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     for name, n in (("q_norm", heads), ("k_norm", kv_heads)):
         norm = getattr(attention, name, None)
         if type(norm) is family.cls("RMSNorm"):
-            runtime.warm(rms_norm, activation(batch, seq, n, head_dim), norm.weight, getattr(norm, family.norm_eps),
-                         family.norm_offset)
+            runtime.warm(rms_norm, activation(batch, seq, n, head_dim), like(norm.weight),
+                         getattr(norm, family.norm_eps), family.norm_offset)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
-        runtime.warm(qkv_rope, x, *(p.weight for p in projections), cos, sin, *(p.bias for p in projections))
+        runtime.warm(qkv_rope, x, *(like(p.weight) for p in projections), cos, sin, *(like(p.bias) for p in projections))
     else:
         runtime.warm(apply_rope, heads_view(heads), heads_view(kv_heads), cos, sin)
     # nn.attention_forward's call, when it is the model's attention; a window shorter than the
@@ -438,14 +444,16 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     mlp = layer.mlp
     if family.swiglu_mlp and getattr(config, "hidden_act", "silu") in SILU_NAMES:
         if all(_is_plain_linear(p) and p.bias is None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            runtime.warm(swiglu_mlp, x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            runtime.warm(swiglu_mlp, x, like(mlp.gate_proj.weight), like(mlp.up_proj.weight), like(mlp.down_proj.weight))
         else:
             runtime.warm(swiglu, activation(batch, seq, config.intermediate_size),
                          activation(batch, seq, config.intermediate_size))
 
     target = torch.zeros(batch * seq, dtype=torch.long, device=device)
-    runtime.warm(fused_linear_cross_entropy, activation(batch * seq, hidden_size), model.lm_head.weight, target,
-                 model.lm_head.bias, IGNORE_INDEX)
+    # The weight's gradient is a cuBLAS product (no kernel of ours): its stand-in needs none, and
+    # the warm-up allocates no (vocab, hidden) buffer.
+    runtime.warm(fused_linear_cross_entropy, activation(batch * seq, hidden_size), like(model.lm_head.weight, False),
+                 target, like(model.lm_head.bias, False), IGNORE_INDEX)
 
 
 def _causal_lm_forward(hf_forward, family: Family):
@@ -472,8 +480,10 @@ def _causal_lm_forward(hf_forward, family: Family):
         if input_ids is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(input_ids.device.type):
             runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
                                   _warm_step, self, family, *input_ids.shape)
+        # (past_key_values: where transformers renamed it cache, the old name is still taken.)
         if (kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None and kwargs.get(cache) is None
-                and not kwargs.get("use_cache") and input_ids is not None and not torch.compiler.is_compiling()):
+                and kwargs.get("past_key_values") is None and not kwargs.get("use_cache") and input_ids is not None
+                and not torch.compiler.is_compiling()):
             kwargs["position_ids"] = _default_positions(input_ids.shape[1], input_ids.device)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)

@@ -476,8 +476,8 @@ def cross_entropy(
     if V == 0:
         raise ValueError("logits must have at least one class (last dimension 0)")
     _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
-    _check_target(target, logits.shape[:-1], "logits.shape[:-1]", V, ignore_index)
     runtime.check_same_device(logits=logits, target=target)
+    _check_target(target, logits.shape[:-1], "logits.shape[:-1]", V, ignore_index)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
     x, t = runtime.rows_view(logits, V), target.reshape(-1)
@@ -709,8 +709,8 @@ def fused_linear_cross_entropy(
         if tuple(bias.shape) != (V,):
             raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
     _check_loss_args(ignore_index, reduction, label_smoothing, z_loss)
-    _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]", V, ignore_index)
     runtime.check_same_device(hidden=hidden, weight=weight, target=target, bias=bias)
+    _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]", V, ignore_index)
     num_items = _num_items_tensor(num_items_in_batch, reduction, hidden.device)
     h, t = hidden.reshape(-1, H), target.reshape(-1)
     args = (int(ignore_index), float(label_smoothing), float(z_loss))

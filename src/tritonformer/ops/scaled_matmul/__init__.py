@@ -60,9 +60,11 @@ def scaled_matmul(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16
         if bias.shape != (N,):
             raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
     runtime.check_same_device(a=a_data, b=b.data, bias=bias)
-    if torch.is_grad_enabled() and (a_data.requires_grad or bias is not None and bias.requires_grad):
-        return runtime.apply(ScaledMatmulFunction, a_data, bias, b.data, b.scales, b.tensor_scale, b.fmt,
-                             tuple(b.shape), b.axis, out_dtype)
+    if a_fmt != "bf16":
+        runtime.check_no_grad("scaled_matmul with a block-scaled a", bias=bias)
+    elif torch.is_grad_enabled() and (a.requires_grad or bias is not None and bias.requires_grad):
+        return runtime.apply(ScaledMatmulFunction, a, bias, b.data, b.scales, b.tensor_scale, b.fmt, tuple(b.shape),
+                             b.axis, out_dtype)
     return _forward(a, b, out_dtype, bias)
 
 

@@ -22,12 +22,14 @@ def split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) 
 
 
 def launch_planned(launch: runtime.FastLaunch, grid, args, constexprs, entries: list, bias, tensor_scale) -> None:
-    """Replay a plan's launch, or launch it the first time and keep its entry in the plan."""
-    if entries:
+    """Replay a plan's launch, or launch it the first time and keep its entry in the plan (none
+    in compile-only mode, where a launch only compiles and a plan is never replayed)."""
+    if entries and not runtime.compiling_ahead():
         launch.replay(entries[0], grid, *args)
         return
-    entries.append(launch(grid, *args, **constexprs, HAS_BIAS=bias is not None,
-                          TENSOR_SCALE=int(tensor_scale is not None)))
+    entry = launch(grid, *args, **constexprs, HAS_BIAS=bias is not None, TENSOR_SCALE=int(tensor_scale is not None))
+    if entry is not None and not entries:
+        entries.append(entry)
 
 
 def bf16_words(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ def run(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         bias_slab = bias[n0:n1] if bias is not None else None
         key = (replay_key(a16, b16, bias_slab, tensor_scale, None, 0, 0.0, c.dtype, False), c_slab.stride(),
                c_slab.data_ptr() % 16)
-        replay = _slab_replays.get(key)
+        replay = _slab_replays.replayable(key)
         if replay is not None:
             replay(a16, b16, c_slab, None, bias_slab, tensor_scale, None)
             continue

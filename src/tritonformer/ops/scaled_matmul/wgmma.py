@@ -339,7 +339,7 @@ def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
         _wgmma_plans.put(key, plan)
     grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_desc = plan
     if x_desc is not None:
-        # detach: torch refuses out= for an input that requires grad (scaled_matmul has no backward).
+        # detach: torch refuses out= for an input that requires grad (this copy needs no gradient).
         torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
     ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
     args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
