@@ -185,7 +185,8 @@ def _row_amax(a):
         return tl.reduce(a, 1, _max_keeping_nan)
     # The interpreter runs a custom combine element by element in Python (docs/runtime.md):
     # a row's sum is NaN exactly where the row holds a NaN.
-    return tl.where(tl.sum(a, axis=1) != tl.sum(a, axis=1), float("nan"), tl.max(a, axis=1))
+    total = tl.sum(a, axis=1)
+    return tl.where(total != total, float("nan"), tl.max(a, axis=1))
 
 
 @triton.jit

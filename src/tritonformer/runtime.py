@@ -273,7 +273,7 @@ def apply(function: type[torch.autograd.Function], *args):
     (an op's warm-up) it runs the function's forward and then its backward, on unwritten
     gradients laid out as the outputs, outside autograd, whose engine would run the backward on
     threads of its own where launches are real."""
-    if torch.compiler.is_compiling() or not _COMPILE_ONLY.get():
+    if not compiling_ahead():
         return function.apply(*args)
     ctx = _WarmContext(args)
     outputs = function.forward(ctx, *args)
