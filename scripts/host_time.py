@@ -3,19 +3,30 @@ enough that the host, not the GPU, decides how fast calls go; with --profile, wh
 time goes, by Python function (cProfile, by own time). On the GPU machine:
 
     python scripts/host_time.py [--matmul [BATCHx]MxNxK,...] [--only TEXT] [--profile TEXT]
-                                [--calls 300] [--top 25]
+                                [--calls 300] [--top 25] [--against OTHER_TREE/src [--rounds 7]]
 
 A row's time is --calls calls queued back to back (after 20 uncounted ones), synchronised only
 at both ends. Rows: matmul forward and forward+backward at each --matmul shape; softmax, add,
 the norms and swiglu at 256 x 1024; rope and causal attention (forward+backward) at 8 / 2 heads
 of 64 over 128 tokens; the losses at 256 tokens of 4096 classes; scaled_matmul of one row by a
 1024^2 nvfp4 weight; bf16.
+
+With --against, a second copy of tritonformer (another tree's src: the code before a change) is
+loaded beside this one under another name, and each row times the two and torch in turn, --rounds
+times: the host's speed swings up to 2x between processes and minutes, so a before/after is only
+read within one process, as the median of the rounds' ratios.
 """
 
 import argparse
 import cProfile
+import importlib
 import pstats
+import shutil
+import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,9 +47,22 @@ def grad(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
 
 
-def rows(matmul_shapes: list[str]) -> dict:
-    """{row name: (tritonformer's call, PyTorch's call)}."""
-    import tritonformer as tf
+def load_renamed(src: str, name: str = "tritonformer_base"):
+    """The tritonformer package under src, imported as `name`: its absolute imports and its
+    custom ops' namespace renamed, so that it loads beside this tree's copy."""
+    copy = Path(tempfile.mkdtemp()) / name
+    shutil.copytree(Path(src) / "tritonformer", copy)
+    for path in copy.rglob("*.py"):
+        text = path.read_text().replace("tritonformer::", f"{name}::")
+        path.write_text(text.replace("from tritonformer", f"from {name}").replace("import tritonformer", f"import {name}"))
+    sys.path.insert(0, str(copy.parent))
+    return importlib.import_module(name)
+
+
+def rows(matmul_shapes: list[str], tf=None) -> dict:
+    """{row name: (tritonformer's call, PyTorch's call)}, tritonformer's through the module tf."""
+    if tf is None:
+        import tritonformer as tf
 
     dev, bf16 = "cuda", torch.bfloat16
     out = {}
@@ -111,8 +135,13 @@ def main() -> None:
                         help="profile the rows whose name contains TEXT (e.g. 'rms_norm fwd+bwd')")
     parser.add_argument("--calls", type=int, default=300, help="calls a row")
     parser.add_argument("--top", type=int, default=25, help="functions a profile prints")
+    parser.add_argument("--against", metavar="SRC", help="another tree's src to compare with, in this process")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of a comparison (--against)")
     args = parser.parse_args()
 
+    if args.against:
+        compare(args)
+        return
     table = {name: fns for name, fns in rows(args.matmul.split(",")).items() if args.only in name}
     for name, (ours, peer) in table.items():
         print(f"host us/call  {name:32s} ours {host_us(ours, args.calls):7.1f}  torch {host_us(peer, args.calls):7.1f}",
@@ -128,6 +157,24 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"--- {name}: {args.calls} calls")
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+def compare(args) -> None:
+    """Per row: this tree's, the other tree's and torch's us a call (medians of the rounds), the
+    median of the rounds' this / other ratios and their range."""
+    base = load_renamed(args.against)
+    shapes = args.matmul.split(",")
+    ours, theirs = rows(shapes), rows(shapes, base)
+    print(f"{'row':36s} {'this':>7s} {'other':>7s} {'torch':>7s} {'this/other':>10s} {'rounds':>11s}", flush=True)
+    for name, (fn, peer) in ours.items():
+        if args.only not in name:
+            continue
+        times = [(host_us(fn, args.calls), host_us(theirs[name][0], args.calls), host_us(peer, args.calls))
+                 for _ in range(args.rounds)]
+        this, other, torch_us = (statistics.median(t[i] for t in times) for i in range(3))
+        ratios = sorted(t[0] / t[1] for t in times)
+        print(f"{name:36s} {this:7.1f} {other:7.1f} {torch_us:7.1f} {statistics.median(ratios):10.3f} "
+              f"{ratios[0]:5.2f}-{ratios[-1]:4.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -119,10 +119,9 @@ def _print_rows(label, peer, baseline, rows, kernel, by_graph):
 
 def _timed(fn, ref):
     """(do_bench us, CUDA-graph us, relative error against ref) of fn, planned afresh."""
-    from tritonformer.ops.scaled_matmul import gemv, in_registers, mma, wgmma
+    from tritonformer import runtime
 
-    for plans in (in_registers._register_plans, gemv._gemv_plans, mma._mma_plans, wgmma._wgmma_plans):
-        plans.clear()
+    runtime.clear_plans()
     out = fn()
     err = ((out.float() - ref).norm() / ref.norm()).item()
     return do_bench(fn, warmup=10, rep=50) * 1e3, do_bench_cudagraph(fn, rep=50) * 1e3, err

@@ -26,4 +26,13 @@ def _fresh_seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test plans its own launches: a test that forces a kernel variant (a monkeypatched
+    threshold, which keys no plan) must not replay another test's plan of the same layout."""
+    runtime.clear_plans()
+    yield
+    runtime.clear_plans()
+
+
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (large shapes, compiled kernels)")

@@ -74,3 +74,17 @@ def test_result_dtype_follows_torch(x, y):
     from tritonformer.ops.add import result_dtype
 
     assert result_dtype(x, y) == torch.result_type(x, y)
+
+
+@pytest.mark.parametrize("layout", ["same", "broadcast", "transposed"])
+def test_replayed_launches_see_each_calls_data(layout, device):
+    """A layout's first call plans its launch, later ones replay it on their own tensors: fresh
+    data each call, each sum checked, one plan kept."""
+    from tritonformer.ops import add as add_op
+
+    for _ in range(3):
+        x = torch.randn(33, 65, device=device).to(torch.bfloat16)
+        y = {"same": lambda: torch.randn(33, 65, device=device), "broadcast": lambda: torch.randn(65, device=device),
+             "transposed": lambda: torch.randn(65, 33, device=device).t()}[layout]().to(torch.bfloat16)
+        assert_close(tf.add(x, y), x.double() + y.double(), torch.bfloat16)
+    assert len(add_op.add_fwd.plans) == 1

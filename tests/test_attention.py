@@ -158,8 +158,8 @@ def test_tensor_descriptor_loads_equal_pointer_loads(D, device, monkeypatch):
     with_descriptors = [_grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do) for _ in range(2)]
     monkeypatch.setattr(attn, "_descriptors_fit", lambda *a: False)
     # Fresh plan tables: the calls above planned descriptor launches for this signature.
-    monkeypatch.setattr(attn, "_fwd_plans", attn.runtime.PlanTable())
-    monkeypatch.setattr(attn, "_bwd_plans", attn.runtime.PlanTable())
+    attn.attention_fwd.plans.clear()
+    attn.attention_bwd.plans.clear()
     pointers = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
     for run in with_descriptors:
         for a, b in zip(run, pointers):
@@ -192,10 +192,7 @@ def test_replayed_launches_see_each_calls_data(D, varlen, device):
         assert_close(lse, ref_lse, torch.bfloat16, "norm")
         for got, want in zip(grads, ref_grads):
             assert_close(got, want, torch.bfloat16, "norm")
-    key = attn._plan_key(q, k, v, True, 1 / math.sqrt(D), attn.NO_WINDOW, kw.get("cu_seqlens_q"),
-                         kw.get("cu_seqlens_k"), kw.get("max_seqlen_q", 0), kw.get("max_seqlen_k", 0))
-    assert key in attn._fwd_plans
-    assert any(plan_key[0] == key for plan_key in attn._bwd_plans)
+    assert len(attn.attention_fwd.plans) == 1 and len(attn.attention_bwd.plans) == 1
 
 
 def test_no_grad_returns_a_tensor_and_lse_on_request(device):
@@ -519,13 +516,11 @@ def test_every_gpu_config_matches_the_reference(kernel, D, device):
         for config in kept:
             launcher.chosen = _AlwaysChosen(config.all_kwargs())
             # A call of a signature seen before replays its planned launches, of another config.
-            attention_op._fwd_plans.clear()
-            attention_op._bwd_plans.clear()
+            attention_op.attention_fwd.plans.clear()
+            attention_op.attention_bwd.plans.clear()
             o = tf.attention(q, k, v, causal=True, window=200)
             grads = torch.autograd.grad(o, (q, k, v), do)
             for got, want in zip((o, *grads), (ref, *ref_grads)):
                 assert_close(got, want, torch.bfloat16, compare="norm")
     finally:
         launcher.chosen = saved
-        attention_op._fwd_plans.clear()
-        attention_op._bwd_plans.clear()

@@ -88,3 +88,13 @@ def test_the_check_sees_the_package():
     # The checks above pass vacuously if the walk finds nothing: it must see the ops and their imports.
     assert f"{PACKAGE}.ops.matmul" in MODULES and f"{PACKAGE}.runtime" in MODULES
     assert f"{PACKAGE}.runtime" in _graph()[f"{PACKAGE}.ops.add"]
+
+
+def test_ops_plan_their_launches_through_the_one_runtime_mechanism():
+    """Host fast paths go through runtime.planned: no op keeps a plan table or key of its own."""
+    own_tables = [name for name, path in MODULES.items() if name.startswith(f"{PACKAGE}.ops")
+                  for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Attribute) and node.attr in ("PlanTable", "tensor_key")]
+    assert own_tables == []
+    assert any(isinstance(node, ast.Attribute) and node.attr == "planned"
+               for node in ast.walk(ast.parse(MODULES[f"{PACKAGE}.ops.norm"].read_text())))

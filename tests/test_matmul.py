@@ -182,7 +182,6 @@ def test_replayed_calls_match_the_reference(case, loads, device, monkeypatch):
     larger ones go."""
     if loads == "tma":
         monkeypatch.setattr(matmul_op, "POINTER_LOADS_MAX_M", 0)
-        matmul_op._replays.clear()
     shapes = {"2d": ((24, 32), (32, 40)), "3d-a": ((2, 12, 32), (32, 40)), "batched": ((3, 16, 32), (3, 32, 24)),
               "split-k-bias-act": ((8, 2048), (2048, 16)), "transposed-b": ((24, 32), (40, 32))}
     a_shape, b_shape = shapes[case]
@@ -230,7 +229,6 @@ def test_split_inside_kernel_takes_few_tiles(layout, dtype, device, monkeypatch)
     planned = []
     launch = split_inside.launch
     monkeypatch.setattr(split_inside, "launch", lambda *args: planned.append(args[9:12]) or launch(*args))
-    matmul_op._replays.clear()
     M, N, K = 120, 4000, 1536
     for call in range(2):
         a = torch.randn(M, K, device=device, dtype=dtype) if layout.startswith("a b") else \
@@ -250,7 +248,6 @@ def test_split_inside_kernel_takes_few_tiles(layout, dtype, device, monkeypatch)
         plain = tf.matmul(a.detach(), b)
         assert_close(plain, ad.detach() @ bd.detach(), dtype, "norm")
     assert planned == [(M, N, K)] * 2  # planned once with the pre-activation, once without; then replayed
-    matmul_op._replays.clear()
 
 
 @pytest.mark.parametrize("split_k", [2, 5])
@@ -260,11 +257,9 @@ def test_split_k_last_arrival_sums_in_order_and_resets_its_counters(split_k, dev
     from tritonformer import runtime
 
     monkeypatch.setattr(matmul_op, "_split_k", lambda *args: split_k)
-    matmul_op._replays.clear()
     a, b = torch.randn(80, 3000, device=device), torch.randn(3000, 200, device=device)
     bias = torch.randn(200, device=device)
     outs = [tf.matmul(a, b, bias, "gelu") for _ in range(3)]
-    matmul_op._replays.clear()
     ref = matmul_op.matmul_reference(a.double(), b.double(), bias.double(), "gelu")
     assert_close(outs[0], ref, torch.float32, "norm")
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])

@@ -79,13 +79,13 @@ def flat_calls(monkeypatch):
     """The flat path's launches, recorded as (Hk, DENSE) and passed through, with tiles of 256
     bytes: a few rows, so that tiles straddle (batch, head) slabs when S is odd."""
     calls = []
-    launch = rope_op._launch_flat
+    plan = rope_op._flat_launch
 
     def spy(q, k, q_out, k_out, cos, sin, Hk, backward):
         calls.append((Hk, all(map(rope_op._dense, (q, k, q_out, k_out)))))
-        return launch(q, k, q_out, k_out, cos, sin, Hk, backward)
+        return plan(q, k, q_out, k_out, cos, sin, Hk, backward)
 
-    monkeypatch.setattr(rope_op, "_launch_flat", spy)
+    monkeypatch.setattr(rope_op, "_flat_launch", spy)
     monkeypatch.setattr(rope_op, "FLAT_TILE_BYTES", 256)
     return calls
 

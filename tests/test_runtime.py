@@ -191,3 +191,63 @@ def test_bfloat16_outputs_are_rounded_as_torch_rounds(device):
     ]
     for ours, exact in cases:
         assert (ours == exact.to(torch.bfloat16)).float().mean() > 0.97
+
+
+def test_planned_replays_by_layout_and_plans_each_new_one():
+    """A planned launcher runs its own path for the first call of a layout and the replay it kept
+    for later ones; another shape, stride, dtype or option plans anew; keyword calls, calls in
+    compile-only mode and calls whose path keeps no plan are not replayed."""
+    paths = []
+
+    @runtime.planned
+    def double(x, factor):
+        paths.append("plan")
+        if x.is_contiguous():
+            runtime.keep_plan(lambda x, factor: paths.append("replay") or x * factor)
+        return x * factor
+
+    x = torch.ones(4, 3)
+    for _ in range(3):
+        assert torch.equal(double(x, 2.0), x * 2)
+    assert paths == ["plan", "replay", "replay"]
+    paths.clear()
+    double(torch.ones(4, 4), 2.0), double(x, 3.0), double(x.double(), 2.0), double(x.t(), 2.0), double(x.t(), 2.0)
+    double(x, factor=2.0)
+    runtime.compile_only(double, torch.ones(5, 3), 2.0)
+    double(torch.ones(5, 3), 2.0)
+    assert paths == ["plan"] * 8
+    assert len(double.plans) == 5
+
+
+def test_planned_keys_what_the_layout_does_not_show():
+    """`key` adds to the layout key: here the tf32 switch, which decides a float32 product."""
+    planned_with = []
+
+    @runtime.planned(key=runtime.tf32_switch)
+    def product(a):
+        planned_with.append(torch.backends.cuda.matmul.allow_tf32)
+        runtime.keep_plan(lambda a: None)
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for switch in (False, True, False, True):
+            torch.backends.cuda.matmul.allow_tf32 = switch
+            product(torch.ones(2, 2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert planned_with == [False, True]
+
+
+def test_keep_plan_outside_a_planned_launcher_is_an_error():
+    with pytest.raises(RuntimeError, match="outside a planned launcher"):
+        runtime.keep_plan(lambda: None)
+
+
+def test_call_key_of_a_quantized_tensor_is_its_layout(device):
+    from tritonformer import quant
+
+    w = torch.randn(64, 64, device=device)
+    a, b = quant.quantize(w, "nvfp4"), quant.quantize(torch.randn(64, 64, device=device), "nvfp4")
+    assert runtime.call_key((a, 1)) == runtime.call_key((b, 1))
+    assert runtime.call_key((a,)) != runtime.call_key((quant.quantize(w, "mxfp4"),))
+    assert runtime.call_key((a,)) != runtime.call_key((quant.quantize(w[:, :32], "nvfp4"),))

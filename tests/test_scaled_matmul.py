@@ -54,9 +54,7 @@ def test_wgmma_kernel_up_to_16_rows(fmt, large_weight_shape, M, N, K, device, mo
     # 16 tokens a program, on the small weights' launch shape and on the large ones' (more splits of K).
     if large_weight_shape:
         monkeypatch.setattr(wgmma, "WGMMA_MIN_WEIGHT", 0)
-    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    wgmma._wgmma_plans.clear()
 
 
 def test_wgmma_shape_takes_the_small_weights_shape_only_up_to_32_tokens():
@@ -80,9 +78,7 @@ def test_wgmma_kernel_small_weights_at_32_tokens(fmt, M, N, K, device, monkeypat
     # 32 tokens a program (x by TMA) on the small weights' launch shape, which weights past
     # WGMMA_SMALL_WEIGHT_FROM[32] elements take; here every weight does.
     monkeypatch.setitem(wgmma.WGMMA_SMALL_WEIGHT_FROM, 32, 0)
-    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
@@ -96,9 +92,7 @@ def test_wgmma_kernel_two_warpgroups(fmt, M, N, K, device, monkeypatch):
     monkeypatch.setattr(wgmma, "WGMMA_SHAPES", dict.fromkeys(wgmma.WGMMA_SHAPES, (128, 3, 8)))
     monkeypatch.setattr(wgmma, "WGMMA_E4M3_SHAPES", dict.fromkeys(wgmma.WGMMA_E4M3_SHAPES, (128, 3, 8)))
     monkeypatch.setattr(runtime, "num_sms", lambda device_index=0: 1)
-    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wgmma kernel is Gluon, Hopper only")
@@ -111,9 +105,7 @@ def test_wgmma_kernel_token_tiles(fmt, M, N, K, split, device, monkeypatch):
     monkeypatch.setattr(wgmma, "WGMMA_MAX_M", 1 << 30)
     if not split:
         monkeypatch.setattr(runtime, "num_sms", lambda device_index=0: 1)
-    wgmma._wgmma_plans.clear()
     _check_every_code_byte(fmt, M, N, K, device)
-    wgmma._wgmma_plans.clear()
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 100, 520])

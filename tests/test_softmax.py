@@ -90,3 +90,19 @@ def test_compiles_forward_and_backward_without_graph_break(device):
 def test_bad_input_is_named(make, kwargs, error, match, device):
     with pytest.raises(error, match=match):
         tf.softmax(make(device), **kwargs)
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_replayed_launches_see_each_calls_data(dim, device):
+    """A layout's first call plans its launches, later ones replay them on their own tensors:
+    fresh data each call, output and gradient against float64, one plan each way."""
+    for _ in range(3):
+        x = torch.randn(37, 70, device=device).to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(37, 70, device=device).to(torch.bfloat16)
+        y = tf.softmax(x, dim)
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = torch.softmax(x64, dim)
+        assert_close(y, y64, torch.bfloat16)
+        (dx,), (dx64,) = torch.autograd.grad(y, x, dy), torch.autograd.grad(y64, x64, dy.double())
+        assert_close(dx, dx64, torch.bfloat16, "norm")
+    assert len(softmax_op.softmax_fwd.plans) == 1 and len(softmax_op.softmax_bwd.plans) == 1

@@ -92,8 +92,6 @@ def test_replayed_launches_see_each_calls_data(device):
     """A signature's first call plans its launches and later calls replay them on their own
     tensors: fresh data each call, forward and gradients against float64, the replays taken; a
     transposed gate (its rows copied) plans nothing and is still right."""
-    swiglu_op._fwd_plans.clear()
-    swiglu_op._bwd_plans.clear()
     M, N, dtype = 37, 101, torch.bfloat16
     for transposed in (False, False, False, True):
         g = (torch.randn(N, M, device=device).t() if transposed else torch.randn(M, N, device=device)) * 3
@@ -106,4 +104,4 @@ def test_replayed_launches_see_each_calls_data(device):
         assert_close(h, expected, dtype, "norm")
         for got, want in zip(torch.autograd.grad(h, (g, u), dh), torch.autograd.grad(expected, leaves, dh.double())):
             assert_close(got, want, dtype, "norm")
-    assert len(swiglu_op._fwd_plans) == 1 and len(swiglu_op._bwd_plans) == 1
+    assert len(swiglu_op.swiglu_fwd.plans) == 1 and len(swiglu_op.swiglu_bwd.plans) == 1

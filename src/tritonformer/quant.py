@@ -129,6 +129,14 @@ class QuantizedTensor:
     def block(self) -> int:
         return FORMATS[self.fmt][0]
 
+    def layout_key(self) -> tuple:
+        """What a launch planned for this tensor depends on (runtime.call_key): the format, the
+        logical shape and axis (which give data's and scales' shapes and dtypes), their strides,
+        16-byte alignments and device, and the tensor scale's presence and alignment."""
+        data, scales, tensor_scale = self.data, self.scales, self.tensor_scale
+        return (self.fmt, self.shape, self.axis, data.stride(), scales.stride(), data.data_ptr() % 16,
+                scales.data_ptr() % 16, data.device, None if tensor_scale is None else tensor_scale.data_ptr() % 16)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
 

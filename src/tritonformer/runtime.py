@@ -90,7 +90,8 @@ if INTERPRET:
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     """`torch.empty`, poisoned when POISON is set."""
-    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return _poisoned(out) if POISON else out
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -355,22 +356,110 @@ def _specialization_key(args: tuple) -> tuple:
 
 
 class PlanTable(dict):
-    """Launch plans by call signature. Many distinct signatures (say, every sequence length of a
-    varying batch) start the table over at `limit` entries instead of growing it without end."""
+    """A dict that starts over at `limit` entries instead of growing without end (say, a plan for
+    every sequence length of a varying batch)."""
 
     def __init__(self, limit: int = 4096):
         super().__init__()
         self.limit = limit
 
-    def put(self, key, plan) -> None:
+    def put(self, key, value) -> None:
         if len(self) >= self.limit:
             self.clear()
-        self[key] = plan
+        self[key] = value
 
-    def replayable(self, key):
-        """The plan for `key`, or None where it is not to be replayed: none yet, or compile_ahead's
-        thread, whose launches only compile."""
-        return None if _COMPILE_ONLY.get() else self.get(key)
+
+# Arguments that key a call as themselves; a tensor keys by its layout, anything else by its
+# layout_key() (QuantizedTensor's).
+_KEYED_AS_IS = frozenset({int, float, bool, str, type(None), torch.dtype})
+
+
+def call_key(args: tuple) -> tuple:
+    """The layout key of a call, which `planned` replays by: each tensor's shape, strides, dtype,
+    16-byte alignment and device; an object with a layout_key() by it; the rest as themselves.
+    Flat, built in a loop: 1.9 against 3.7 us a planned call with nested tuples built by a
+    comprehension (Python 3.11, docs/runtime.md). A tensor's five entries start with its
+    torch.Size, which no other argument is, so the flat tuple stays unambiguous."""
+    key = []
+    for a in args:
+        if type(a) in _KEYED_AS_IS:
+            key.append(a)
+        elif isinstance(a, torch.Tensor):
+            key += (a.shape, a.stride(), a.dtype, a.data_ptr() % 16, a.device)
+        else:
+            key.append(a.layout_key())
+    return tuple(key)
+
+
+def tf32_switch(*args) -> bool:
+    """A `planned` key for launchers whose float32 products follow torch's tf32 switch."""
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+_PLANNING = contextvars.ContextVar("tritonformer_planning", default=None)
+
+
+def planned(fn: Callable | None = None, *, key: Callable | None = None):
+    """The host fast path every op shares (docs/runtime.md). A call of the decorated launcher is
+    keyed by `call_key` of its positional arguments (and `key(*args)`, for what the layout does
+    not show: the tf32 switch, a weight's address). The first call of a key runs the launcher,
+    which hands `keep_plan` a replay: a function of the same arguments that allocates the outputs
+    and replays the launches planned for them. Later calls of the key run the replay. No plan is
+    kept in compile-only mode (launches there only compile) or where the launcher keeps none (a
+    copy was made, a path without plan); calls with keyword arguments are not planned."""
+
+    def decorate(fn: Callable) -> Callable:
+        plans = PlanTable()
+        _PLAN_TABLES.append(plans)
+        compile_only = _COMPILE_ONLY.get  # bound once: a global and attribute lookup less a call
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if kwargs or compile_only():
+                return _plan(fn, args, kwargs)
+            plan_key = call_key(args) if key is None else (call_key(args), key(*args))
+            replay = plans.get(plan_key)
+            if replay is not None:
+                return replay(*args)
+            result, replay = _plan(fn, args, kwargs, True)
+            if replay is not None:
+                plans.put(plan_key, replay)
+            return result
+
+        call.plans = plans
+        return call
+
+    return decorate if fn is None else decorate(fn)
+
+
+def _plan(fn: Callable, args: tuple, kwargs: dict, with_replay: bool = False):
+    """fn's own path; with_replay: (its result, the replay it kept or None)."""
+    kept = []
+    token = _PLANNING.set(kept)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        _PLANNING.reset(token)
+    return (result, kept[-1] if kept else None) if with_replay else result
+
+
+_PLAN_TABLES: list[PlanTable] = []
+
+
+def clear_plans() -> None:
+    """Forget every planned launch: the next call of each layout plans again (after a change of
+    a launch setting that keys no plan, a test's monkeypatched threshold say)."""
+    for plans in _PLAN_TABLES:
+        plans.clear()
+
+
+def keep_plan(replay: Callable) -> None:
+    """Within a `planned` launcher's first call of a key: later calls of that key run `replay`
+    on their arguments instead."""
+    kept = _PLANNING.get()
+    if kept is None:
+        raise RuntimeError("keep_plan outside a planned launcher")
+    kept.append(replay)
 
 
 _thread_state = threading.local()
@@ -382,8 +471,10 @@ def _bind_cuda_context(device: int) -> None:
     launch and need one, and a thread that has made no CUDA runtime call may have none: the
     autograd engine's own threads, where a backward can replay a planned launch as its first CUDA
     work ("invalid device context"). A thread that moves to another device binds that one too."""
-    bound = _thread_state.__dict__.setdefault("bound_devices", set())
-    if device in bound:
+    bound = getattr(_thread_state, "bound_devices", None)
+    if bound is None:
+        bound = _thread_state.bound_devices = set()
+    elif device in bound:
         return
     torch.cuda.current_stream(device).query()  # a runtime call binds the primary context
     bound.add(device)
@@ -437,7 +528,9 @@ class FastLaunch:
         if INTERPRET or (hook is not None and getattr(hook, "calls", True)):
             self.kernel[grid](*args, **kwargs)
             return
-        device = torch.cuda.current_device()
+        # A replay follows a launch, which initialized CUDA: torch.cuda.current_device()'s lazy-init
+        # checks are three Python calls more a launch.
+        device = torch._C._cuda_getDevice()
         _bind_cuda_context(device)
         grid_x, grid_y, grid_z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -807,12 +900,6 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             first_name, first = name, t
         elif t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
-
-
-def tensor_key(t: torch.Tensor | None):
-    """What a launch planned for `t` depends on: shape, strides, dtype and 16-byte alignment (a
-    plan table keyed by these, with the device, replays the launch on other tensors alike)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
 
 
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:

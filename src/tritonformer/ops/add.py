@@ -7,6 +7,8 @@ four dimensions; beyond that they are copied to contiguous first.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -89,17 +91,10 @@ BLOCK = 4096
 
 
 @runtime.custom_op("add_fwd", fake=_fake_add_fwd)
+@runtime.planned
 def add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if x.shape == y.shape and x.is_contiguous() and y.is_contiguous():
-        # The common case, without broadcasting or views: host time matters at small sizes.
-        out = runtime.empty(x.shape, result_dtype(x, y), x.device)
-        n = out.numel()
-        if n:
-            _launch_add((runtime.cdiv(n, BLOCK),), x, y, out, n, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                        CONTIGUOUS=True, INDEX_64=n >= 2**31, IS_FLOAT=out.dtype.is_floating_point,
-                        BLOCK=BLOCK, num_warps=8)
-        return out
-    out_shape = torch.broadcast_shapes(x.shape, y.shape)
+    """x + y, broadcast. Planned (runtime.planned): at small sizes host time is the op's time."""
+    out_shape = x.shape if x.shape == y.shape else torch.broadcast_shapes(x.shape, y.shape)
     out = runtime.empty(out_shape, result_dtype(x, y), x.device)
     n = out.numel()
     if n == 0:
@@ -107,18 +102,25 @@ def add_fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     xe, ye = x.expand(out_shape), y.expand(out_shape)
     sizes, (xs, ys) = collapse_dims(tuple(out_shape), xe.stride(), ye.stride())
     contiguous = xe.is_contiguous() and ye.is_contiguous()
-    if not contiguous and len(sizes) > MAX_STRIDED_DIMS:
+    copied = not contiguous and len(sizes) > MAX_STRIDED_DIMS
+    if copied:
         xe, ye = xe.contiguous(), ye.contiguous()
         contiguous = True
     if contiguous:
         sizes, xs, ys = [n], [1], [1]
     pad = MAX_STRIDED_DIMS - len(sizes)
     sizes, xs, ys = [1] * pad + sizes, [0] * pad + xs, [0] * pad + ys
-    _launch_add(
-        (runtime.cdiv(n, BLOCK),), xe, ye, out, n, sizes[1], sizes[2], sizes[3], *xs, *ys,
-        CONTIGUOUS=contiguous, INDEX_64=runtime.needs_int64(out, xe, ye),
-        IS_FLOAT=out.dtype.is_floating_point, BLOCK=BLOCK, num_warps=8,
-    )
+    grid, scalars = (runtime.cdiv(n, BLOCK),), (n, sizes[1], sizes[2], sizes[3], *xs, *ys)
+    entry = _launch_add(grid, xe, ye, out, *scalars, CONTIGUOUS=contiguous, INDEX_64=runtime.needs_int64(out, xe, ye),
+                        IS_FLOAT=out.dtype.is_floating_point, BLOCK=BLOCK, num_warps=8)
+    if entry is not None and not copied:
+        runtime.keep_plan(functools.partial(_replay, out_shape, out.dtype, entry, grid, scalars))
+    return out
+
+
+def _replay(out_shape, dtype, entry, grid, scalars, x, y):
+    out = runtime.empty(out_shape, dtype, x.device)
+    _launch_add.replay(entry, grid, x, y, out, *scalars)
     return out
 
 

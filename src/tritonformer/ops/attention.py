@@ -16,6 +16,7 @@ Configs are autotuned; launches are planned per call signature and replayed. Des
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -712,26 +713,11 @@ def _launch(launcher: runtime.TunedLauncher, key: tuple, grid, args: tuple, cons
     return replay
 
 
-def _plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
-    """Everything the forward's launch depends on besides the data: shapes, strides, dtype,
-    device, alignment (TMA and Triton's specialization), the options."""
-    cu = None if cu_seqlens_q is None else (cu_seqlens_q.shape, cu_seqlens_q.data_ptr() % 16,
-                                            cu_seqlens_k.data_ptr() % 16, max_seqlen_q, max_seqlen_k)
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, q.data_ptr() % 16,
-            k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, window, cu, torch.backends.cuda.matmul.allow_tf32)
-
-
 def _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple, tuple]:
     """The dQ and dK/dV kernels' tensor arguments, in their order; without a gradient of lse, the
     dQ kernel reads the delta buffer in its place (HAS_DLSE off)."""
     return ((q, k, v, do, o, delta if dlse is None else dlse, lse, delta, dq, cu_seqlens_q, cu_seqlens_k),
             (q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k))
-
-
-# Replays of planned launches by _plan_key (backward: and dO's and dlse's layout): a call's host
-# path shrinks to the allocations and the launches (see attention_fwd).
-_fwd_plans = runtime.PlanTable()
-_bwd_plans = runtime.PlanTable()
 
 
 class _Layout:
@@ -782,22 +768,16 @@ def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_se
 
 
 @runtime.custom_op("attention_fwd", fake=_fake_attention_fwd)
+@runtime.planned(key=runtime.tf32_switch)
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, lse): O laid out like q (_empty_as), lse float32 natural log, (B, H, S_q) or for a
     packed batch (H, total_q). `window` is the left window size, or NO_WINDOW.
 
-    The first calls with a signature (_plan_key) tune and plan the launch; later ones replay it:
+    The first calls of a layout tune and plan the launch; later ones replay it (runtime.planned):
     on the H100 machine's host, whose Python runs a forward+backward's wrappers in about as long
     as the GPU runs B8 H16 S2048 D64 causal, that is what keeps such a call bound by the GPU."""
-    plan_key = _plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    plan = _fwd_plans.replayable(plan_key)
-    if plan is not None:
-        lse_shape, scalars, replay = plan
-        o, lse = _empty_as(q), runtime.empty(lse_shape, torch.float32, q.device)
-        replay((q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars))
-        return o, lse
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o = _empty_as(q)
     lse = runtime.empty(lay.lse_shape, torch.float32, q.device)
@@ -813,7 +793,14 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                      _constexprs(q, causal, window, lay.varlen),
                      ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "fwd", k, v) else None)
     if replay is not None:
-        _fwd_plans.put(plan_key, (lay.lse_shape, scalars, replay))
+        runtime.keep_plan(functools.partial(_replay_fwd, lay.lse_shape, scalars, replay))
+    return o, lse
+
+
+def _replay_fwd(lse_shape, scalars, replay, q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0):
+    o, lse = _empty_as(q), runtime.empty(lse_shape, torch.float32, q.device)
+    replay((q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars))
     return o, lse
 
 
@@ -823,6 +810,7 @@ def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window, cu_seq
 
 
 @runtime.custom_op("attention_bwd", fake=_fake_attention_bwd)
+@runtime.planned(key=runtime.tf32_switch)
 def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
@@ -832,19 +820,6 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     Planned and replayed as attention_fwd."""
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
-    plan_key = (_plan_key(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                do.stride(), do.data_ptr() % 16, o.stride(), o.data_ptr() % 16, lse.stride(),
-                None if dlse is None else dlse.data_ptr() % 16)
-    plan = _bwd_plans.replayable(plan_key)
-    if plan is not None:
-        dq_scalars, dq_replay, dkdv_scalars, dkdv_replay = plan
-        dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
-        delta = runtime.empty(lse.shape, torch.float32, q.device)
-        dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q,
-                                                cu_seqlens_k)
-        dq_replay((*dq_tensors, *dq_scalars))
-        dkdv_replay((*dkdv_tensors, *dkdv_scalars))
-        return dq, dk, dv
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
     if dq.numel() == 0 or dk.numel() == 0 or lay.S_q == 0 or lay.S_k == 0:
@@ -873,7 +848,19 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
                           consts,
                           ((0, 3), (q_shape, q_shape), "BLOCK_M") if _descriptors_fit(lay, "dkdv", q, do) else None)
     if dq_replay is not None and dkdv_replay is not None:
-        _bwd_plans.put(plan_key, (dq_scalars, dq_replay, dkdv_scalars, dkdv_replay))
+        runtime.keep_plan(functools.partial(_replay_bwd, dq_scalars, dq_replay, dkdv_scalars, dkdv_replay))
+    return dq, dk, dv
+
+
+def _replay_bwd(dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, do, dlse, q, k, v, o, lse, causal, scale, window,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    if dlse is not None and dlse.stride() != lse.stride():
+        dlse = dlse.contiguous()
+    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
+    delta = runtime.empty(lse.shape, torch.float32, q.device)
+    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+    dq_replay((*dq_tensors, *dq_scalars))
+    dkdv_replay((*dkdv_tensors, *dkdv_scalars))
     return dq, dk, dv
 
 

@@ -21,6 +21,8 @@ Design and measurements: docs/cross_entropy.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -292,12 +294,6 @@ def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> 
                    BLOCK=min(REDUCE_BLOCK, max(16, runtime.next_power_of_2(N))), num_warps=4)
 
 
-# Planned launches by call signature (runtime.tensor_key of each tensor, the device, the options):
-# a later call of the signature replays its launch. A small loss's time is its host time.
-_fwd_plans = runtime.PlanTable()
-_bwd_plans = runtime.PlanTable()
-
-
 def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction):
     N = logits.shape[0]
     loss = logits.new_empty((N,) if reduction == "none" else ())
@@ -305,26 +301,16 @@ def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_los
 
 
 @runtime.custom_op("cross_entropy_fwd", fake=_fake_cross_entropy_fwd)
+@runtime.planned
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
     reduction: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, stats) for logits (N, V) with unit column stride: stats holds each row's (max,
-    log-sum) in float32, then (reduced losses) the count of rows not ignored."""
-    N, device = logits.shape[0], logits.device
-    stats = runtime.empty((2 * N + 1,), torch.float32, device)
-    reduced = reduction != "none"
-    loss = runtime.empty((() if reduced else (N,)), logits.dtype, device)
-    plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), device, ignore_index, label_smoothing,
-                z_loss, reduction)
-    plan = _fwd_plans.replayable(plan_key)
-    # The row losses of a reduction live in the stream's workspace: the same launch reads them.
-    row_loss = runtime.workspace(device, N) if reduced else loss
-    tensors = (logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1))
-    if plan is not None:
-        entry, scalars = plan
-        _launch_fwd.replay(entry, (N,), *tensors, *scalars)
-        return loss, stats
+    log-sum) in float32, then (reduced losses) the count of rows not ignored. Planned
+    (runtime.planned): a small loss's time is its host time."""
+    loss, stats, tensors = _fwd_buffers(logits, target, reduction)
+    N, reduced = logits.shape[0], reduction != "none"
     if N == 0:
         if reduced:  # 0 / 0 for the mean, 0 for the sum, as torch; the count 0 at stats[0]
             _reduce(stats[:0], target, loss, stats, None, ignore_index, mean=reduction == "mean")
@@ -334,28 +320,43 @@ def cross_entropy_fwd(
     entry = _launch_fwd((N,), *tensors, *scalars, **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=reduced,
                         MEAN=reduction == "mean", REDUCE_BLOCK=REDUCE_BLOCK)
     if entry is not None:
-        _fwd_plans.put(plan_key, (entry, scalars))
+        runtime.keep_plan(functools.partial(_replay_fwd, entry, scalars))
     return loss, stats
 
 
-def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+def _fwd_buffers(logits, target, reduction) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(loss, stats, the forward kernel's tensor arguments)."""
+    N, device = logits.shape[0], logits.device
+    stats = runtime.empty((2 * N + 1,), torch.float32, device)
+    reduced = reduction != "none"
+    loss = runtime.empty((() if reduced else (N,)), logits.dtype, device)
+    # The row losses of a reduction live in the stream's workspace: the same launch reads them.
+    row_loss = runtime.workspace(device, N) if reduced else loss
+    return loss, stats, (logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1))
+
+
+def _replay_fwd(entry, scalars, logits, target, ignore_index, label_smoothing, z_loss, reduction):
+    loss, stats, tensors = _fwd_buffers(logits, target, reduction)
+    _launch_fwd.replay(entry, (logits.shape[0],), *tensors, *scalars)
+    return loss, stats
+
+
+@runtime.planned
+def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction) -> None:
     N, V = logits.shape
     if N == 0:
         return
-    plan_key = (runtime.tensor_key(logits), runtime.tensor_key(target), runtime.tensor_key(grad_loss),
-                dx is logits, logits.device, ignore_index, label_smoothing, z_loss, reduction)
-    plan = _bwd_plans.replayable(plan_key)
     grid = (N, runtime.cdiv(V, BWD_BLOCK))
-    if plan is not None:
-        entry, scalars = plan
-        _launch_bwd.replay(entry, grid, logits, target, stats, grad_loss, dx, *scalars)
-        return
     stride_grad = grad_loss.stride(0) if reduction == "none" else 0
     scalars = (V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing, z_loss)
     entry = _launch_bwd(grid, logits, target, stats, grad_loss, dx, *scalars, MEAN=reduction == "mean",
                         **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK, num_warps=BWD_WARPS)
     if entry is not None:
-        _bwd_plans.put(plan_key, (entry, scalars))
+        runtime.keep_plan(functools.partial(_replay_grad_into, entry, grid, scalars))
+
+
+def _replay_grad_into(entry, grid, scalars, dx, logits, target, stats, grad_loss, *options) -> None:
+    _launch_bwd.replay(entry, grid, logits, target, stats, grad_loss, dx, *scalars)
 
 
 def _fake_cross_entropy_bwd(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction):

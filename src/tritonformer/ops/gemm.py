@@ -168,16 +168,3 @@ def row_major(rows: int, cols: int, stride_r: int, stride_c: int, trans: bool, b
     if trans:
         return [cols, rows], [stride_c, stride_r], [block_cols, block_rows]
     return [rows, cols], [stride_r, stride_c], [block_rows, block_cols]
-
-
-def replay_key(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre) -> tuple:
-    """The key of a planned product on matmul_fwd's arguments: everything its launches depend on
-    besides the data: shapes, strides, dtypes, device, alignment (TMA and Triton's specialization),
-    scale modes, epilogue, the tf32 switch."""
-    return (
-        a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16,
-        None if bias is None else (bias.dtype, bias.data_ptr() % 16),
-        None if scale_a is None else (scale_a.numel(), scale_a.data_ptr() % 16),
-        None if scale_b is None else (scale_b.numel(), scale_b.data_ptr() % 16),
-        activation, negative_slope, out_dtype, store_pre, torch.backends.cuda.matmul.allow_tf32,
-    )

@@ -438,51 +438,38 @@ def _flags(rms: bool, weight, bias, offset: float) -> dict:
     return dict(RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ROUND_XHAT=rms and offset == 0.0)
 
 
-# Planned launches of the in-register kernels by call signature (runtime.tensor_key of every tensor, the
-# options): a later call of the signature replays its launch. On the H100 machine's host the
-# wrappers of a forward+backward otherwise take longer than the GPU at 16384 x 4096.
-_fwd_plans = runtime.PlanTable()
-_bwd_plans = runtime.PlanTable()
-
-
+@runtime.planned
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
              offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, stats): stats holds rstd per row, then (layer_norm) the mean per row, in one buffer:
-    one allocation less on a host path where each costs microseconds."""
-    y, stats, _ = _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
-    return y, stats
-
-
-def _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """norm_fwd, plus the call's plan key, which also keys the backward of this forward (see
-    _norm_bwd: x, weight, bias and stats come back to it unchanged)."""
-    # The device too: a plan's compiled kernel is loaded on one GPU.
-    plan_key = (runtime.tensor_key(x), x.device, runtime.tensor_key(weight), runtime.tensor_key(bias), eps, offset,
-                rms, out_dtype)
-    plan = _fwd_plans.replayable(plan_key)
-    if plan is not None:
-        stats_len, entry, grid, scalars = plan
-        y = runtime.empty(x.shape, out_dtype, x.device)
-        stats = runtime.empty((stats_len,), torch.float32, x.device)
-        _launch_fwd.replay(entry, grid, x, x, x, _or(weight, x), _or(bias, x), y, stats, *scalars)
-        return y, stats, plan_key
+    one allocation less on a host path where each costs microseconds. The in-register launch is
+    planned (runtime.planned): at 16384 x 4096 the H100 machine's host otherwise takes longer
+    than the GPU."""
     N = x.shape[-1]
     x_rows = runtime.rows_view(x, N)
     M = x_rows.shape[0]
     y = runtime.empty(x.shape, out_dtype, x.device)
     stats = runtime.empty((M if rms else 2 * M,), torch.float32, x.device)
     if x.numel() == 0:
-        return y, stats, plan_key
+        return y, stats
     flags = _flags(rms, weight, bias, offset)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
         entry, grid, scalars = _fwd_in_registers(x_rows, None, None, w, b, y, stats, eps, offset, flags)
         if entry is not None and runtime.starts_as(x_rows, x):
-            _fwd_plans.put(plan_key, (stats.shape[0], entry, grid, scalars))
+            runtime.keep_plan(functools.partial(_replay_fwd, stats.shape[0], entry, grid, scalars))
     else:
         _launch_fwd_looped((M,), x_rows, w, b, y, stats, M, N, x_rows.stride(0), N, float(eps), float(offset),
                            **flags, CHUNK=LOOP_CHUNK, num_warps=8)
-    return y, stats, plan_key
+    return y, stats
+
+
+def _replay_fwd(stats_len, entry, grid, scalars, x, weight, bias, eps, offset, rms, out_dtype):
+    """The in-register forward, planned: (y, stats) as norm_fwd returns them."""
+    y = runtime.empty(x.shape, out_dtype, x.device)
+    stats = runtime.empty((stats_len,), torch.float32, x.device)
+    _launch_fwd.replay(entry, grid, x, x, x, _or(weight, x), _or(bias, x), y, stats, *scalars)
+    return y, stats
 
 
 def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -> tuple:
@@ -499,42 +486,38 @@ def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -
     return entry, grid, scalars
 
 
+@runtime.planned
 def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, stats) of RMSNorm over h = x + residual (rows up to FUSED_MAX_N), h contiguous."""
+    """(y, h, stats) of RMSNorm over h = x + residual (rows up to FUSED_MAX_N), h contiguous.
+    Planned as norm_fwd."""
     N = x.shape[-1]
     x_rows, res_rows = runtime.rows_view(x, N), runtime.rows_view(residual, N)
     y = runtime.empty(x.shape, out_dtype, x.device)
     h = runtime.empty(x.shape, x.dtype, x.device)
     stats = runtime.empty((x_rows.shape[0],), torch.float32, x.device)
     if x.numel():
-        _fwd_in_registers(x_rows, res_rows, h, _or(weight, x_rows), x_rows, y, stats, eps, offset,
-                          _flags(True, weight, None, offset))
+        entry, grid, scalars = _fwd_in_registers(x_rows, res_rows, h, _or(weight, x_rows), x_rows, y, stats, eps,
+                                                 offset, _flags(True, weight, None, offset))
+        if entry is not None and runtime.starts_as(x_rows, x, res_rows, residual):
+            runtime.keep_plan(functools.partial(_replay_add_norm_fwd, entry, grid, scalars))
     return y, h, stats
 
 
+def _replay_add_norm_fwd(entry, grid, scalars, x, residual, weight, eps, offset, out_dtype):
+    y = runtime.empty(x.shape, out_dtype, x.device)
+    h = runtime.empty(x.shape, x.dtype, x.device)
+    stats = runtime.empty((scalars[0],), torch.float32, x.device)  # scalars: rows, then the rest
+    _launch_fwd.replay(entry, grid, x, residual, h, _or(weight, x), x, y, stats, *scalars)
+    return y, h, stats
+
+
+@runtime.planned
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
              stats: torch.Tensor, offset: float, rms: bool, sums_dtype: torch.dtype,
              dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, sums): sums holds dw then db (those that exist) as rows of `sums_dtype` (summed in
-    float32). dres, when given, is added into dx (rows up to FUSED_MAX_N)."""
-    return _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres)
-
-
-def _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None,
-              fwd_key=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_bwd, with the sums in `sums_dtype`; fwd_key, the plan key _norm_fwd gave the forward
-    that made x, weight, bias and stats, stands for their part of this call's key (five tensor
-    keys less on the host path)."""
-    if fwd_key is None:
-        plan_key = (runtime.tensor_key(dy), runtime.tensor_key(x), x.device, runtime.tensor_key(weight),
-                    runtime.tensor_key(bias), runtime.tensor_key(stats), runtime.tensor_key(dres), offset, rms,
-                    sums_dtype)
-    else:
-        plan_key = (fwd_key, runtime.tensor_key(dy), runtime.tensor_key(dres), sums_dtype)
-    replay = _bwd_plans.replayable(plan_key)
-    if replay is not None:
-        return replay(dy, x, weight, bias, stats, dres)
+    float32). dres, when given, is added into dx (rows up to FUSED_MAX_N). Planned as norm_fwd."""
     N = x.shape[-1]
     x_rows, dy_rows = runtime.rows_view(x, N), runtime.rows_view(dy, N)
     dres_rows = None if dres is None else runtime.rows_view(dres, N)
@@ -548,8 +531,8 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None,
     if looped and not rms and dres is None:  # dres comes from add_rms_norm alone
         sums, replay = _layer_norm_bwd_split(x_rows, weight, bias, dy_rows, dx, stats, offset)
         if replay is not None and views:
-            _bwd_plans.put(plan_key, replay if sums_dtype == torch.float32 else
-                           functools.partial(_replay_cast, replay, sums_dtype))
+            runtime.keep_plan(replay if sums_dtype == torch.float32 else
+                              functools.partial(_replay_cast, replay, sums_dtype))
         return dx, sums.to(sums_dtype)
     block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
     programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
@@ -579,19 +562,18 @@ def _norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None,
     sum_entry = _launch_sum_parts(sum_grid, parts, sums, programs, N, BLOCK_P=SUM_PARTS_BLOCK_P,
                                   BLOCK_N=SUM_PARTS_BLOCK_N, num_warps=4)
     if entry is not None and sum_entry is not None and views:
-        _bwd_plans.put(plan_key, functools.partial(_replay_bwd_in_registers, programs, entry, scalars, sum_entry,
-                                                   sum_grid, sums.shape, sums_dtype))
+        runtime.keep_plan(functools.partial(_replay_bwd_in_registers, programs, entry, scalars, sum_entry, sum_grid))
     return dx, sums
 
 
-def _replay_bwd_in_registers(programs, entry, scalars, sum_entry, sum_grid, sums_shape, sums_dtype,
-                             dy, x, weight, bias, stats, dres):
-    """The in-register backward, planned: (dx, sums) as _norm_bwd returns them."""
-    n_params, N = sums_shape
+def _replay_bwd_in_registers(programs, entry, scalars, sum_entry, sum_grid,
+                             dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
+    """The in-register backward, planned: (dx, sums) as norm_bwd returns them."""
+    n_params, N = (weight is not None) + (bias is not None), x.shape[-1]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     parts = runtime.workspace(x.device, n_params * programs * N)
     _launch_bwd.replay(entry, (programs,), x, _or(weight, x), dy, _or(dres, dy), dx, stats, parts, *scalars)
-    sums = runtime.empty(sums_shape, sums_dtype, x.device)
+    sums = runtime.empty((n_params, N), sums_dtype, x.device)
     _launch_sum_parts.replay(sum_entry, sum_grid, parts, sums, programs, N)
     return dx, sums
 
@@ -647,8 +629,8 @@ def _split_buffers(like, M, N, n_params, groups, blocks) -> tuple[torch.Tensor, 
 
 
 def _replay_ln_split(n_params, groups, blocks, coef_entry, coef_grid, coef_scalars, cols_entry, cols_scalars,
-                     dy, x, weight, bias, stats, dres):
-    """The split backward, planned: (dx, sums) as _norm_bwd returns them."""
+                     dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
+    """The split backward, planned: (dx, sums) as norm_bwd returns them (float32 sums)."""
     M, N = coef_scalars[0], coef_scalars[1]
     dx = runtime.empty(x.shape, x.dtype, x.device)
     sums, coef, params = _split_buffers(x, M, N, n_params, groups, blocks)
@@ -686,14 +668,9 @@ add_norm_fwd = runtime.custom_op("add_norm_fwd", fake=_fake_add_norm_fwd)(add_no
 
 
 class NormFunction(torch.autograd.Function):
-    # Eager calls go to _norm_fwd and _norm_bwd themselves, which hand the forward's plan key to
-    # the backward; torch.compile traces the registered ops.
     @staticmethod
     def forward(ctx, x, weight, bias, eps, offset, rms, out_dtype):
-        if torch.compiler.is_compiling():
-            (y, stats), ctx.fwd_key = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype), None
-        else:
-            y, stats, ctx.fwd_key = _norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+        y, stats = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
         ctx.save_for_backward(x, weight, bias, stats)
         ctx.offset, ctx.rms = offset, rms
         return y
@@ -702,10 +679,7 @@ class NormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, stats = ctx.saved_tensors
         sums_dtype = _sums_dtype(weight, bias)
-        if ctx.fwd_key is None:
-            dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype)
-        else:
-            dx, sums = _norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype, fwd_key=ctx.fwd_key)
+        dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype)
         if weight is None and bias is None:
             return dx, None, None, None, None, None, None
         rows = sums.unbind(0)

@@ -270,29 +270,26 @@ def _flat_shape(rows: int, D: int, itemsize: int, tile_bytes: int) -> tuple[int,
 _launch_rope_flat = runtime.FastLaunch(_rope_flat_kernel)
 
 
-def _launch_flat(q, k, q_out, k_out, cos, sin, Hk: int, backward: bool) -> None:
-    """The flat path for (B, H, S, D) tensors whose slabs are contiguous (_slabs_contiguous); Hk 0
-    rotates q alone (k, k_out: any of q's tensors)."""
+def _flat_launch(q, k, q_out, k_out, cos, sin, Hk: int, backward: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, scalars, constexprs) of the flat kernel, for (B, H, S, D) tensors whose slabs are
+    contiguous (_slabs_contiguous); Hk 0 rotates q alone (k, k_out: any of q's tensors)."""
     B, Hq, S, D = q.shape
     Rq, Rk = B * Hq * S, B * Hk * S
     block_half, rows = _flat_shape(max(Rq, Rk), D, q.element_size(), FLAT_TILE_BYTES)
     q_tiles = runtime.cdiv(Rq, rows)
     cos_strides, sin_strides = _table_strides(cos), _table_strides(sin)
-    _launch_rope_flat(
-        (q_tiles + runtime.cdiv(Rk, rows),), q, k, q_out, k_out, cos, sin,
-        S, Hq, Hk, Rq, Rk, q_tiles,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        *cos_strides, *sin_strides,
-        HALF=D // 2, BLOCK_HALF=block_half, ROWS=rows, DENSE=all(map(_dense, (q, k, q_out, k_out))),
-        BATCH_TABLE=cos_strides[0] != 0 or sin_strides[0] != 0, BACKWARD=backward,
-        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin),
-        num_warps=FLAT_NUM_WARPS,
-    )
+    scalars = (S, Hq, Hk, Rq, Rk, q_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0),
+               q_out.stride(1), k_out.stride(0), k_out.stride(1), *cos_strides, *sin_strides)
+    constexprs = dict(HALF=D // 2, BLOCK_HALF=block_half, ROWS=rows, DENSE=all(map(_dense, (q, k, q_out, k_out))),
+                      BATCH_TABLE=cos_strides[0] != 0 or sin_strides[0] != 0, BACKWARD=backward,
+                      INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), num_warps=FLAT_NUM_WARPS)
+    return (q_tiles + runtime.cdiv(Rk, rows),), scalars, constexprs
 
 
+@runtime.planned
 def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
-    """Rotate q into q_out and k into k_out; k and k_out None rotate q alone."""
+    """Rotate q into q_out and k into k_out; k and k_out None rotate q alone. Planned
+    (runtime.planned): rope's time at a small model's sizes is its host time."""
     B, D = q.shape[0], q.shape[3]
     S, Hq = (q.shape[1], q.shape[2]) if bshd else (q.shape[2], q.shape[1])
     Hk = 0 if k is None else k.shape[2 if bshd else 1]
@@ -301,18 +298,28 @@ def _launch(q, k, q_out, k_out, cos, sin, bshd: bool, backward: bool) -> None:
     if B == 0 or S == 0 or D == 0 or Hq + Hk == 0:
         return
     if not bshd and FLAT_BHSD and all(map(_slabs_contiguous, (q, k, q_out, k_out))):
-        _launch_flat(q, k, q_out, k_out, cos, sin, Hk, backward)
-        return
-    block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps, stages = _launch_shape(
-        B, S, Hq, Hk, D, q.element_size(), q.device.index or 0)
-    _launch_rope(
-        (B * n_blocks * n_chunks,), q, k, q_out, k_out, cos, sin,
-        S, Hq, Hk, n_blocks, q_chunks, n_chunks, per_program,
-        *_head_strides(q, bshd), *_head_strides(k, bshd), *_head_strides(q_out, bshd), *_head_strides(k_out, bshd),
-        *_table_strides(cos), *_table_strides(sin),
-        HALF=D // 2, BLOCK_HALF=block_half, BLOCK_S=block_s, HEADS_PER_STEP=per_step, BACKWARD=backward,
-        INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), STAGES=stages, num_warps=num_warps,
-    )
+        launch = _launch_rope_flat
+        grid, scalars, constexprs = _flat_launch(q, k, q_out, k_out, cos, sin, Hk, backward)
+    else:
+        launch = _launch_rope
+        block_half, block_s, n_blocks, per_program, q_chunks, n_chunks, per_step, num_warps, stages = _launch_shape(
+            B, S, Hq, Hk, D, q.element_size(), q.device.index or 0)
+        grid = (B * n_blocks * n_chunks,)
+        scalars = (S, Hq, Hk, n_blocks, q_chunks, n_chunks, per_program, *_head_strides(q, bshd),
+                   *_head_strides(k, bshd), *_head_strides(q_out, bshd), *_head_strides(k_out, bshd),
+                   *_table_strides(cos), *_table_strides(sin))
+        constexprs = dict(HALF=D // 2, BLOCK_HALF=block_half, BLOCK_S=block_s, HEADS_PER_STEP=per_step,
+                          BACKWARD=backward, INDEX_64=runtime.needs_int64(q, k, q_out, k_out, cos, sin), STAGES=stages,
+                          num_warps=num_warps)
+    entry = launch(grid, q, k, q_out, k_out, cos, sin, *scalars, **constexprs)
+    if entry is not None:
+        runtime.keep_plan(functools.partial(_replay, launch, entry, grid, scalars))
+
+
+def _replay(launch, entry, grid, scalars, q, k, q_out, k_out, cos, sin, bshd, backward) -> None:
+    if k is None:
+        k = k_out = q
+    launch.replay(entry, grid, q, k, q_out, k_out, cos, sin, *scalars)
 
 
 def _fake_rope_fwd(q, k, cos, sin, bshd):
@@ -323,7 +330,7 @@ def _fake_rope_fwd(q, k, cos, sin, bshd):
 def rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              bshd: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q_out, k_out = runtime.empty_like(q), runtime.empty_like(k)
-    _launch(q, k, q_out, k_out, cos, sin, bshd, backward=False)
+    _launch(q, k, q_out, k_out, cos, sin, bshd, False)
     return q_out, k_out
 
 
@@ -334,7 +341,7 @@ def _fake_rope_fwd_inplace(q, k, cos, sin, bshd):
 @runtime.custom_op("rope_fwd_inplace", fake=_fake_rope_fwd_inplace, mutates_args=("q", "k"))
 def rope_fwd_inplace(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                      bshd: bool) -> None:
-    _launch(q, k, q, k, cos, sin, bshd, backward=False)
+    _launch(q, k, q, k, cos, sin, bshd, False)
 
 
 def _fake_rope_bwd(dq, dk, cos, sin, bshd):
@@ -346,7 +353,7 @@ def rope_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: 
              bshd: bool) -> list[torch.Tensor]:
     """[dq_in, dk_in], or [dq_in] when dk is None."""
     dq_in, dk_in = runtime.empty_like(dq), None if dk is None else runtime.empty_like(dk)
-    _launch(dq, dk, dq_in, dk_in, cos, sin, bshd, backward=True)
+    _launch(dq, dk, dq_in, dk_in, cos, sin, bshd, True)
     return [dq_in] if dk is None else [dq_in, dk_in]
 
 
@@ -479,7 +486,7 @@ def qkv_rope_fwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cos: 
     else:
         y = torch.nn.functional.linear(x, w, b)
     q, k, v = _heads_of(y, heads, D)
-    _launch(q, k, q, k, cos, sin, True, backward=False)
+    _launch(q, k, q, k, cos, sin, True, False)
     return [t.transpose(1, 2) for t in (q, k, v)]
 
 
@@ -494,7 +501,7 @@ def qkv_rope_bwd(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Ten
     rotated = [(g.transpose(1, 2), out) for g, out in ((dq, dy_q), (dk, dy_k)) if g is not None]
     if rotated:
         (g0, out0), (g1, out1) = rotated if len(rotated) == 2 else (rotated[0], (None, None))
-        _launch(g0, g1, out0, out1, cos, sin, True, backward=True)
+        _launch(g0, g1, out0, out1, cos, sin, True, True)
     if runtime.compiling_ahead():
         return None, None, None
     for g, out in ((dq, dy_q), (dk, dy_k), (dv, dy_v)):

@@ -13,6 +13,7 @@ hits L2. Design: docs/softmax.md.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -182,7 +183,9 @@ _launch_bwd_looped = runtime.FastLaunch(_softmax_bwd_looped_kernel)
 
 
 @runtime.custom_op("softmax_fwd", fake=_fake_softmax_fwd)
+@runtime.planned
 def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax(x) along dim. Planned (runtime.planned): at small sizes host time is the op's time."""
     if dim == x.dim() - 1 and x.is_contiguous():
         # The common case, without views: a few microseconds of host time matter at small sizes.
         y_rows = y = runtime.empty(x.shape, x.dtype, x.device)
@@ -196,10 +199,19 @@ def softmax_fwd(x: torch.Tensor, dim: int) -> torch.Tensor:
         return y
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _fwd_launch_shape(N)
-        _launch_fwd((runtime.cdiv(M, block_m),), x_rows, y_rows, M, N, stride_xm, stride_xn, N,
-                    BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        launch, grid, scalars = _launch_fwd, (runtime.cdiv(M, block_m),), (M, N, stride_xm, stride_xn, N)
+        entry = launch(grid, x_rows, y_rows, *scalars, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
-        _launch_fwd_looped((M,), x_rows, y_rows, N, stride_xm, stride_xn, N, CHUNK=LOOP_CHUNK, num_warps=8)
+        launch, grid, scalars = _launch_fwd_looped, (M,), (N, stride_xm, stride_xn, N)
+        entry = launch(grid, x_rows, y_rows, *scalars, CHUNK=LOOP_CHUNK, num_warps=8)
+    if entry is not None and x_rows.data_ptr() == x.data_ptr():
+        runtime.keep_plan(functools.partial(_replay_fwd, launch, entry, grid, scalars, y is y_rows))
+    return y
+
+
+def _replay_fwd(launch, entry, grid, scalars, flat, x, dim):
+    y_rows, y = (runtime.empty(x.shape, x.dtype, x.device),) * 2 if flat else _rows_output(x, dim, x.dtype)
+    launch.replay(entry, grid, x, y_rows, *scalars)
     return y
 
 
@@ -208,7 +220,9 @@ def _fake_softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tens
 
 
 @runtime.custom_op("softmax_bwd", fake=_fake_softmax_bwd)
+@runtime.planned
 def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
+    """The gradient of softmax's input from its output y and dy. Planned as softmax_fwd."""
     if dim == y.dim() - 1 and y.is_contiguous() and dy.is_contiguous():
         dx_rows = dx = runtime.empty(y.shape, y.dtype, y.device)
         y_rows, dy_rows, N = y, dy, y.shape[-1]
@@ -223,11 +237,20 @@ def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> torch.Tensor:
         return dx
     if N <= FUSED_MAX_N:
         block_m, block_n, num_warps = _launch_shape(N)
-        _launch_bwd((runtime.cdiv(M, block_m),), y_rows, dy_rows, dx_rows, M, N, stride_ym, stride_dym, stride_dyn, N,
-                    BLOCK_M=block_m, BLOCK_N=block_n, HALVES=block_n >= BWD_HALVES_MIN_N, num_warps=num_warps)
+        launch, grid, scalars = _launch_bwd, (runtime.cdiv(M, block_m),), (M, N, stride_ym, stride_dym, stride_dyn, N)
+        entry = launch(grid, y_rows, dy_rows, dx_rows, *scalars, BLOCK_M=block_m, BLOCK_N=block_n,
+                       HALVES=block_n >= BWD_HALVES_MIN_N, num_warps=num_warps)
     else:
-        _launch_bwd_looped((M,), y_rows, dy_rows, dx_rows, N, stride_ym, stride_dym, stride_dyn, N,
-                           CHUNK=LOOP_CHUNK, num_warps=8)
+        launch, grid, scalars = _launch_bwd_looped, (M,), (N, stride_ym, stride_dym, stride_dyn, N)
+        entry = launch(grid, y_rows, dy_rows, dx_rows, *scalars, CHUNK=LOOP_CHUNK, num_warps=8)
+    if entry is not None and runtime.starts_as(y_rows, y, dy_rows, dy):
+        runtime.keep_plan(functools.partial(_replay_bwd, launch, entry, grid, scalars, dx is dx_rows))
+    return dx
+
+
+def _replay_bwd(launch, entry, grid, scalars, flat, y, dy, dim):
+    dx_rows, dx = (runtime.empty(y.shape, y.dtype, y.device),) * 2 if flat else _rows_output(y, dim, y.dtype)
+    launch.replay(entry, grid, y, dy, dx_rows, *scalars)
     return dx
 
 

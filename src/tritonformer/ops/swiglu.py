@@ -14,6 +14,8 @@ Design: docs/swiglu.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -86,22 +88,12 @@ def _fake_swiglu_fwd(gate, up):
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
-# Planned launches by call signature (runtime.tensor_key of each input, the device, the options):
-# a later call of the signature replays its launch on the caller's tensors. On the H100 machine's
-# host the row views and launch arithmetic cost more than a small SwiGLU's GPU time.
-_fwd_plans = runtime.PlanTable()
-_bwd_plans = runtime.PlanTable()
-
-
 @runtime.custom_op("swiglu_fwd", fake=_fake_swiglu_fwd)
+@runtime.planned
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up. Planned (runtime.planned): on the H100 machine's host the row views and
+    launch arithmetic cost more than a small SwiGLU's GPU time."""
     h = runtime.empty(gate.shape, gate.dtype, gate.device)
-    plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), gate.device)
-    plan = _fwd_plans.replayable(plan_key)
-    if plan is not None:
-        entry, grid, scalars = plan
-        _launch_fwd.replay(entry, grid, gate, up, h, *scalars)
-        return h
     if gate.numel() == 0:
         return h
     N = gate.shape[-1]
@@ -110,7 +102,13 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     grid, scalars = (M * col_blocks,), (n, col_blocks, g.stride(0), u.stride(0), N)
     entry = _launch_fwd(grid, g, u, h, *scalars, BLOCK=block, num_warps=_num_warps(block, FWD_VALUES_PER_THREAD))
     if entry is not None and runtime.starts_as(g, gate, u, up):
-        _fwd_plans.put(plan_key, (entry, grid, scalars))
+        runtime.keep_plan(functools.partial(_replay_fwd, entry, grid, scalars))
+    return h
+
+
+def _replay_fwd(entry, grid, scalars, gate, up):
+    h = runtime.empty(gate.shape, gate.dtype, gate.device)
+    _launch_fwd.replay(entry, grid, gate, up, h, *scalars)
     return h
 
 
@@ -120,19 +118,12 @@ def _fake_swiglu_bwd(gate, up, dh, store_h, dg_into_dh):
             torch.empty(shape if store_h else (0,), dtype=gate.dtype, device=gate.device))
 
 
+@runtime.planned
 def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: bool,
                dg_into_dh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dg, du, h); h is None unless `store_h`. With `dg_into_dh` (the caller owns dh and has no
     other use for it) dg is written over dh, saving one buffer; a custom op's output may not
-    alias its input, so callers ask for that only in eager mode."""
-    plan_key = (runtime.tensor_key(gate), runtime.tensor_key(up), runtime.tensor_key(dh), gate.device, store_h,
-                dg_into_dh)
-    plan = _bwd_plans.replayable(plan_key)
-    if plan is not None:
-        entry, grid, scalars, in_place = plan
-        dg, du, h = _bwd_buffers(gate, dh, store_h, in_place)
-        _launch_bwd.replay(entry, grid, gate, up, dh, dg, du, h if store_h else du, *scalars)
-        return dg, du, h
+    alias its input, so callers ask for that only in eager mode. Planned as swiglu_fwd."""
     N = gate.shape[-1]
     g, u, d = runtime.rows_view(gate, N), runtime.rows_view(up, N), runtime.rows_view(dh, N)
     in_place = dg_into_dh and d.is_contiguous() and d.data_ptr() == dh.data_ptr() and dh.dtype == gate.dtype
@@ -144,7 +135,13 @@ def swiglu_bwd(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_h: 
     entry = _launch_bwd(grid, g, u, d, dg, du, h if store_h else du, *scalars, STORE_H=store_h, BLOCK=block,
                         num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
     if entry is not None and runtime.starts_as(g, gate, u, up, d, dh):
-        _bwd_plans.put(plan_key, (entry, grid, scalars, in_place))
+        runtime.keep_plan(functools.partial(_replay_bwd, entry, grid, scalars, in_place))
+    return dg, du, h
+
+
+def _replay_bwd(entry, grid, scalars, in_place, gate, up, dh, store_h, dg_into_dh):
+    dg, du, h = _bwd_buffers(gate, dh, store_h, in_place)
+    _launch_bwd.replay(entry, grid, gate, up, dh, dg, du, h if store_h else du, *scalars)
     return dg, du, h
 
 

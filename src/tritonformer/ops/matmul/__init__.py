@@ -15,6 +15,7 @@ Design and measurements: docs/matmul.md.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import runtime
 from ..gemm import (ACTIVATIONS, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, epilogue_store, grouped_tile,
-                    one_matrix_strides, replay_key, row_major, split_k_total)
+                    one_matrix_strides, row_major, split_k_total)
 from . import split_inside
 
 FP8 = torch.float8_e4m3fn
@@ -373,6 +374,7 @@ def _fake_matmul_fwd(a, b, bias, scale_a, scale_b, activation, negative_slope, o
 
 
 @runtime.custom_op("matmul_fwd", fake=_fake_matmul_fwd)
+@runtime.planned(key=runtime.tf32_switch)
 def matmul_fwd(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scale_a: torch.Tensor | None,
     scale_b: torch.Tensor | None, activation: int, negative_slope: float, out_dtype: torch.dtype | None,
@@ -380,17 +382,8 @@ def matmul_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, pre-activation or an empty tensor). `activation` is a code from ACTIVATIONS.
 
-    The first call with a given signature (shapes, strides, dtypes, alignment, epilogue) plans
-    the launches; later ones replay them, which cuts the host time of a call from about 95 to
-    about 35 us on the H100 machine (docs/matmul.md)."""
-    key = replay_key(a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre)
-    planned = _replays.replayable(key)
-    if planned is not None:
-        shape, dtype, replay = planned
-        out = runtime.empty(shape, dtype, a.device)
-        pre = runtime.empty(shape, dtype, a.device) if store_pre else out.new_empty(0)
-        replay(a, b, out, pre if store_pre else None, bias, scale_a, scale_b)
-        return out, pre
+    Planned (runtime.planned): a replay cuts the host time of a call from about 95 to about 35 us
+    on the H100 machine (docs/matmul.md)."""
     shape = _output_shape(a, b)
     dtype = _out_dtype(a, out_dtype)
     out = runtime.empty(shape, dtype, a.device)
@@ -417,11 +410,15 @@ def matmul_fwd(
                                 a_op.shape[0], M, N, K, *epilogue)
     # A replay passes the caller's tensors: only valid where the operands were views of them.
     if replay is not None and a_op.data_ptr() == a.data_ptr() and b_op.data_ptr() == b.data_ptr():
-        _replays.put(key, (shape, dtype, replay))
+        runtime.keep_plan(functools.partial(_replay_fwd, shape, dtype, replay))
     return out, pre
 
 
-_replays = runtime.PlanTable()
+def _replay_fwd(shape, dtype, replay, a, b, bias, scale_a, scale_b, activation, negative_slope, out_dtype, store_pre):
+    out = runtime.empty(shape, dtype, a.device)
+    pre = runtime.empty(shape, dtype, a.device) if store_pre else out.new_empty(0)
+    replay(a, b, out, pre if store_pre else None, bias, scale_a, scale_b)
+    return out, pre
 
 
 def _empty_k_epilogue(out, pre, bias, activation, negative_slope):

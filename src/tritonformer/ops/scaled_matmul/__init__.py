@@ -16,6 +16,8 @@ fp4); in_registers.py (the rest). Design and measurements: docs/scaled_matmul.md
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import quant, runtime
@@ -124,33 +126,57 @@ def scaled_matmul_fwd(a_data: torch.Tensor, a_scales: torch.Tensor | None, a_fmt
     return _product(a, b, out_dtype, bias)
 
 
+def _weight_address(a, b: QuantizedTensor, *rest) -> int:
+    return b.data.data_ptr()
+
+
+@runtime.planned(key=_weight_address)
 def _product(a, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """Pick the path for the shapes and formats (module doc) and run it; A is bf16 or quantized."""
+    """Pick the path for the shapes and formats (module doc) and run it; A is bf16 or quantized.
+    Planned (runtime.planned): a replay allocates the output and replays the path's launch. The
+    weight's address keys the plan too: the wgmma path's replay holds the weight's descriptor."""
     M, K, N = a.shape[0], b.shape[b.axis], b.shape[1 - b.axis]
     c = runtime.empty((M, N), out_dtype, b.data.device)
     if M == 0 or N == 0:
         return c
     if K == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
-    a_fmt, a_data, a_scales = (a.fmt, a.data, a.scales) if isinstance(a, QuantizedTensor) else ("bf16", a, None)
-    tensor_scale = None
-    for t in (a, b):
-        if isinstance(t, QuantizedTensor) and t.tensor_scale is not None:
-            tensor_scale = t.tensor_scale if tensor_scale is None else tensor_scale * t.tensor_scale
+    a_fmt = a.fmt if isinstance(a, QuantizedTensor) else "bf16"
+    call = (a, b, c, M, N, K, bias, _tensor_scale(a, b))
+    bf16 = a_fmt == "bf16"
     if dot_scaled.fits(a_fmt, b, M):
-        dot_scaled.run(a, b, c, M, N, K, bias, tensor_scale)
-    elif a_fmt == "bf16" and gemv.fits(b, M):
-        gemv.run(a_data, b, c, N, K, bias, tensor_scale)
-    elif a_fmt == "bf16" and wgmma.fits(b, M, K):
-        wgmma.run(a_data, b, c, M, N, K, bias, tensor_scale)
+        dot_scaled.run(*call)
+        return c
+    if bf16 and gemv.fits(b, M):
+        path = gemv
+    elif bf16 and wgmma.fits(b, M, K):
+        path = wgmma
     elif dequantize_first.fits(M):
-        dequantize_first.run(a, b, c, M, N, K, bias, tensor_scale)
-    elif a_fmt == "bf16" and mma.fits(b, M):
-        mma.run(a_data, b, c, M, N, K, bias, tensor_scale)
+        dequantize_first.run(*call)  # its slab products plan themselves
+        return c
+    elif bf16 and mma.fits(b, M):
+        path = mma
     else:
-        # A bf16 A has no scales: B's stand in for the kernel's unused pointer.
-        in_registers.run(a_fmt, a_data, b.scales if a_scales is None else a_scales, b, c, M, N, K, bias, tensor_scale)
+        path = in_registers
+    replay = path.run(*call)
+    if replay is not None:
+        runtime.keep_plan(functools.partial(_replay_product, replay))
     return c
+
+
+def _replay_product(replay, a, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    M, K, N = a.shape[0], b.shape[b.axis], b.shape[1 - b.axis]
+    c = runtime.empty((M, N), out_dtype, b.data.device)
+    replay(a, b, c, M, N, K, bias, _tensor_scale(a, b))
+    return c
+
+
+def _tensor_scale(a, b: QuantizedTensor) -> torch.Tensor | None:
+    """The product of the operands' nvfp4 tensor scales, or None."""
+    a_scale = a.tensor_scale if isinstance(a, QuantizedTensor) else None
+    if a_scale is None or b.tensor_scale is None:
+        return b.tensor_scale if a_scale is None else a_scale
+    return a_scale * b.tensor_scale
 
 
 def scaled_matmul_reference(a, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,

@@ -1,7 +1,10 @@
 """What scaled_matmul's kernel paths share: split-K for grids of few output tiles, the launch of
-a plan (first launch, then replays), and x as int32 words of bf16 pairs. See docs/scaled_matmul.md."""
+a path with its replay, and x as int32 words of bf16 pairs. See docs/scaled_matmul.md."""
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 
@@ -21,15 +24,19 @@ def split_k(tiles: int, K: int, block_k: int, device, programs_per_sm: int = 4) 
     return runtime.cdiv(K, k_per_split), k_per_split
 
 
-def launch_planned(launch: runtime.FastLaunch, grid, args, constexprs, entries: list, bias, tensor_scale) -> None:
-    """Replay a plan's launch, or launch it the first time and keep its entry in the plan (none
-    in compile-only mode, where a launch only compiles and a plan is never replayed)."""
-    if entries and not runtime.compiling_ahead():
-        launch.replay(entries[0], grid, *args)
-        return
-    entry = launch(grid, *args, **constexprs, HAS_BIAS=bias is not None, TENSOR_SCALE=int(tensor_scale is not None))
-    if entry is not None and not entries:
-        entries.append(entry)
+def launch_with_replay(launch: runtime.FastLaunch, plan: tuple, arguments: Callable, call: tuple,
+                       constexprs: dict) -> Callable | None:
+    """Launch a path's kernel on `arguments(plan, *call)` over the grid plan[0], `call` being the
+    arguments of the path's `run` (bias and tensor_scale last); the replay of that launch on
+    later arguments of the same layout (the product keeps it: runtime.planned), or None."""
+    bias, tensor_scale = call[-2], call[-1]
+    entry = launch(plan[0], *arguments(plan, *call), **constexprs, HAS_BIAS=bias is not None,
+                   TENSOR_SCALE=int(tensor_scale is not None))
+    return None if entry is None else functools.partial(_replay, launch, plan, arguments, entry)
+
+
+def _replay(launch: runtime.FastLaunch, plan: tuple, arguments: Callable, entry: tuple, *call) -> None:
+    launch.replay(entry, plan[0], *arguments(plan, *call))
 
 
 def bf16_words(x: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,8 @@ def fits(a_fmt: str, b: QuantizedTensor, M: int) -> bool:
 
 
 def run(a: QuantizedTensor, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
-    """A @ B.T by _dot_scaled_kernel, the scales converted to the 5D layout once a tensor. Hopper
+    """A @ B.T by _dot_scaled_kernel, the scales converted to the 5D layout once a tensor (no
+    replay: sm_100's products are large enough for their host time not to count). Hopper
     has no such instruction: Triton upcasts the MX formats to bf16 there (tests run it so) and
     cannot take nvfp4's e4m3 scales."""
     a_scales, b_scales = (t.blocked_scales() for t in (a, b))

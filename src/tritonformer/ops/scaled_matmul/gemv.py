@@ -4,6 +4,8 @@ would be 15/16 padding), K split so that every SM streams the weight. See docs/s
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -11,7 +13,7 @@ import triton.language as tl
 from ... import quant, runtime
 from ...quant import QuantizedTensor
 from ..gemm import epilogue_store, split_k_total
-from .common import bf16_words, launch_planned, split_k
+from .common import bf16_words, launch_with_replay, split_k
 
 # Rows of a bf16 A that _gemv_kernel takes: one.
 GEMV_MAX_M = 1
@@ -88,31 +90,21 @@ def _gemv_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr
 _launch_gemv = runtime.FastLaunch(_gemv_kernel)
 
 
-def run(x, b: QuantizedTensor, c, N, K, bias, tensor_scale) -> None:
-    """bf16 x (1, K) times B: _gemv_kernel, planned once per signature and replayed."""
-    x_words = bf16_words(x)
+def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> Callable | None:
+    """bf16 x (1, K) times B: _gemv_kernel; returns the launch's replay (common.launch_with_replay)."""
+    bn, bk, warps, per_sm = GEMV_SHAPE
+    bk = max(bk, b.block)
+    tiles = runtime.cdiv(N, bn)
+    split, k_per_split = split_k(tiles, K, bk, c.device, per_sm)
+    constexprs = dict(B_FMT=b.fmt, B_VEC=b.block, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk, MASK_K=K % bk != 0,
+                      num_warps=warps)
+    return launch_with_replay(_launch_gemv, ((tiles, split), split, k_per_split), _arguments,
+                              (x, b, c, M, N, K, bias, tensor_scale), constexprs)
+
+
+def _arguments(plan, x, b, c, M, N, K, bias, tensor_scale) -> tuple:
+    grid, split, k_per_split = plan
     b_data = b.data.view(torch.int32)
-    b_scales = b.scales.view(torch.uint8)
-    bias_arg = bias if bias is not None else c
-    scale_arg = tensor_scale if tensor_scale is not None else c
-    key = (N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
-           b_data.stride(0), b_scales.stride(0),
-           *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
-    plan = _gemv_plans.get(key)
-    if plan is None:
-        bn, bk, warps, per_sm = GEMV_SHAPE
-        bk = max(bk, b.block)
-        tiles = runtime.cdiv(N, bn)
-        split, k_per_split = split_k(tiles, K, bk, c.device, per_sm)
-        constexprs = dict(B_FMT=b.fmt, B_VEC=b.block, SPLIT_K=split, BLOCK_N=bn, BLOCK_K=bk, MASK_K=K % bk != 0,
-                          num_warps=warps)
-        plan = [(tiles, split), split, k_per_split, constexprs, []]
-        _gemv_plans.put(key, plan)
-    grid, split, k_per_split, constexprs, entries = plan
     ws, counters = runtime.split_k_scratch(c, split, split * N, grid[0])  # one row
-    args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, N, K, k_per_split,
-            b_data.stride(0), b_scales.stride(0))
-    launch_planned(_launch_gemv, grid, args, constexprs, entries, bias, tensor_scale)
-
-
-_gemv_plans = runtime.PlanTable()
+    return (bf16_words(x), b_data, b.scales.view(torch.uint8), c, ws, counters, bias if bias is not None else c,
+            tensor_scale if tensor_scale is not None else c, N, K, k_per_split, b_data.stride(0), b.scales.stride(0))

@@ -6,6 +6,8 @@ every SM streams it. See docs/scaled_matmul.md."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -13,7 +15,7 @@ import triton.language as tl
 from ... import quant, runtime
 from ...quant import FORMATS, QuantizedTensor
 from ..gemm import epilogue_store, split_k_total
-from .common import launch_planned, split_k
+from .common import launch_with_replay, split_k
 
 
 @triton.jit
@@ -82,40 +84,30 @@ def _launch_shape(M: int) -> tuple[int, int, int, int, int]:
     return 128, 256, 64, 8, 3
 
 
-def run(a_fmt, a_data, a_scales, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
-    """One kernel: every program dequantizes its tiles of B (and A) in registers. The launches
-    are planned once per signature and replayed (host time per call 77 -> about 30 us on the
-    H100 machine: more than the GPU time of a decode-sized call, see docs/scaled_matmul.md)."""
-    # Quantized data is stored contiguous, so stride(1) is 1 there; e4m3 bytes go in as uint8.
-    a_data, b_data = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (a_data, b.data))
-    a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
-    bias_arg = bias if bias is not None else c
-    scale_arg = tensor_scale if tensor_scale is not None else c
-    key = (M, N, K, a_fmt, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
-           a_data.stride(), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
-           *(t.data_ptr() % 16 for t in (a_data, a_scales, b_data, b_scales, bias_arg)))
-    plan = _register_plans.get(key)
-    if plan is None:
-        plan = _plan_in_registers(a_fmt, b, M, N, K, c.device)
-        _register_plans.put(key, plan)
-    grid, split, k_per_split, constexprs, entries = plan
-    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
-    args = (a_data, a_scales, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, k_per_split,
-            a_data.stride(0), a_data.stride(1), a_scales.stride(0), b_data.stride(0), b_scales.stride(0),
-            c.stride(0), c.stride(1))
-    launch_planned(_launch, grid, args, constexprs, entries, bias, tensor_scale)
-
-
-def _plan_in_registers(a_fmt, b: QuantizedTensor, M, N, K, device) -> list:
-    """[grid, split, k_per_split, constexprs, launch entries (filled by the first launch)]."""
+def run(a, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> Callable | None:
+    """One kernel: every program dequantizes its tiles of B (and of A, bf16 or a QuantizedTensor)
+    in registers; returns the launch's replay (a replay's host time, 30 us against 77 planned
+    afresh on the H100 machine, is more than the GPU time of a decode-sized call)."""
+    a_fmt = a.fmt if isinstance(a, QuantizedTensor) else "bf16"
     bm, bn, bk, warps, stages = _launch_shape(M)
     # A bf16 A has no blocks: its A_VEC is unused, B's stands in.
     vec_a = FORMATS[a_fmt][0] if a_fmt != "bf16" else b.block
     bk = max(bk, vec_a, b.block)
-    split, k_per_split = split_k(runtime.cdiv(M, bm) * runtime.cdiv(N, bn), K, bk, device)
+    split, k_per_split = split_k(runtime.cdiv(M, bm) * runtime.cdiv(N, bn), K, bk, c.device)
     constexprs = dict(A_FMT=a_fmt, B_FMT=b.fmt, A_VEC=vec_a, B_VEC=b.block, SPLIT_K=split, UPCAST=runtime.INTERPRET,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return [(runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split, constexprs, []]
+    return launch_with_replay(_launch, ((runtime.cdiv(M, bm), runtime.cdiv(N, bn), split), split, k_per_split),
+                              _arguments, (a, b, c, M, N, K, bias, tensor_scale), constexprs)
 
 
-_register_plans = runtime.PlanTable()
+def _arguments(plan, a, b, c, M, N, K, bias, tensor_scale) -> tuple:
+    grid, split, k_per_split = plan
+    # A bf16 A has no scales: B's stand in for the kernel's unused pointer.
+    a_data, a_scales = (a.data, a.scales) if isinstance(a, QuantizedTensor) else (a, b.scales)
+    # Quantized data is stored contiguous, so stride(1) is 1 there; e4m3 bytes go in as uint8.
+    a_data, b_data = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (a_data, b.data))
+    a_scales, b_scales = (t.view(torch.uint8) for t in (a_scales, b.scales))
+    ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
+    return (a_data, a_scales, b_data, b_scales, c, ws, counters, bias if bias is not None else c,
+            tensor_scale if tensor_scale is not None else c, M, N, K, k_per_split, a_data.stride(0), a_data.stride(1),
+            a_scales.stride(0), b_data.stride(0), b_scales.stride(0), c.stride(0), c.stride(1))

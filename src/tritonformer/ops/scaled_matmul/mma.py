@@ -7,6 +7,8 @@ stands in for the PTX. See docs/scaled_matmul.md."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -14,7 +16,7 @@ import triton.language as tl
 from ... import quant, runtime
 from ...quant import QuantizedTensor
 from ..gemm import epilogue_store, split_k_total
-from .common import bf16_words, launch_planned, split_k
+from .common import bf16_words, launch_with_replay, split_k
 
 # Rows of a bf16 A up to which fp4 weights take _mma_kernel.
 MMA_MAX_M = 64
@@ -280,32 +282,24 @@ def _mma_kernel(x_ptr, b_ptr, b_scale_ptr, c_ptr, ws_ptr, counter_ptr, bias_ptr,
 _launch_mma = runtime.FastLaunch(_mma_kernel)
 
 
-def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
-    """bf16 x (M, K) times fp4 B: _mma_kernel, planned once per signature and replayed."""
+def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> Callable | None:
+    """bf16 x (M, K) times fp4 B: _mma_kernel; returns the launch's replay."""
+    n_tiles = runtime.next_power_of_2(runtime.cdiv(M, 8))
+    warps, m_tiles, per_sm = MMA_SHAPES[n_tiles]
+    tiles = runtime.cdiv(N, 16 * warps * m_tiles)
+    split, k_per_split = split_k(tiles, K, 128, c.device, per_sm)
+    constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, WARPS=warps, MT=m_tiles, NT=n_tiles,
+                      MASK_M=M < 8 * n_tiles, MASK_N=N % (16 * warps * m_tiles) != 0, MASK_K=K % 128 != 0,
+                      num_warps=warps)
+    return launch_with_replay(_launch_mma, ((tiles, split), split, k_per_split // 128), _arguments,
+                              (x, b, c, M, N, K, bias, tensor_scale), constexprs)
+
+
+def _arguments(plan, x, b, c, M, N, K, bias, tensor_scale) -> tuple:
+    grid, split, steps_per_split = plan
     x_words = bf16_words(x)
     b_data = b.data.view(torch.int32)
-    b_scales = b.scales.view(torch.uint8)
-    bias_arg = bias if bias is not None else c
-    scale_arg = tensor_scale if tensor_scale is not None else c
-    key = (M, N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
-           x_words.stride(0), b_data.stride(0), b_scales.stride(0),
-           *(t.data_ptr() % 16 for t in (x_words, b_data, b_scales, bias_arg)))
-    plan = _mma_plans.get(key)
-    if plan is None:
-        n_tiles = runtime.next_power_of_2(runtime.cdiv(M, 8))
-        warps, m_tiles, per_sm = MMA_SHAPES[n_tiles]
-        tiles = runtime.cdiv(N, 16 * warps * m_tiles)
-        split, k_per_split = split_k(tiles, K, 128, c.device, per_sm)
-        constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, WARPS=warps, MT=m_tiles, NT=n_tiles,
-                          MASK_M=M < 8 * n_tiles, MASK_N=N % (16 * warps * m_tiles) != 0, MASK_K=K % 128 != 0,
-                          num_warps=warps)
-        plan = [(tiles, split), split, k_per_split // 128, constexprs, []]
-        _mma_plans.put(key, plan)
-    grid, split, steps_per_split, constexprs, entries = plan
     ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0])
-    args = (x_words, b_data, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K, steps_per_split,
-            x_words.stride(0), b_data.stride(0), b_scales.stride(0), c.stride(0))
-    launch_planned(_launch_mma, grid, args, constexprs, entries, bias, tensor_scale)
-
-
-_mma_plans = runtime.PlanTable()
+    return (x_words, b_data, b.scales.view(torch.uint8), c, ws, counters, bias if bias is not None else c,
+            tensor_scale if tensor_scale is not None else c, M, N, K, steps_per_split, x_words.stride(0),
+            b_data.stride(0), b.scales.stride(0), c.stride(0))

@@ -7,6 +7,8 @@ Launch shapes by tokens a program: WGMMA_SHAPES. See docs/scaled_matmul.md."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -16,7 +18,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import quant, runtime
 from ...quant import FORMATS, QuantizedTensor
-from .common import launch_planned, split_k
+from .common import launch_with_replay, split_k
 
 # A wgmma step takes 128 of K: 16 int32 words of fp4 codes a row of B, or 32 of e4m3 codes.
 WGMMA_STEP_K = 128
@@ -299,52 +301,44 @@ def _wgmma_x_columns(K: int, fmt: str, device: torch.device) -> torch.Tensor:
     return steps.view(-1, WGMMA_STEP_K // (32 * wpt), 4, wpt, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).flatten()
 
 
-def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> None:
-    """bf16 x (M, K) times block-scaled B on Hopper: _wgmma_kernel, planned once per signature and
-    replayed. The plan holds B's TMA descriptor and, from WGMMA_TMA_X_MIN_TOKENS, a buffer for
-    the permuted copy of x with its own descriptor: a call writes x there by one index_select
-    (this path's time is near its host time; torch's permuted copy cost 30-40 us more of it)."""
+def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> Callable | None:
+    """bf16 x (M, K) times block-scaled B on Hopper: _wgmma_kernel; returns the launch's replay,
+    which holds B's TMA descriptor (the product keys its plans by the weight's address) and, from
+    WGMMA_TMA_X_MIN_TOKENS, a buffer for the permuted copy of x with its own descriptor: a call
+    writes x there by one index_select (this path's time is near its host time; torch's permuted
+    copy cost 30-40 us more of it)."""
     tokens = min(WGMMA_MAX_TOKENS, max(16, runtime.next_power_of_2(M)))
-    if x.stride(1) != 1 and tokens < WGMMA_TMA_X_MIN_TOKENS:
-        x = x.contiguous()
-    b_scales = b.scales_by_step(WGMMA_STEP_K).view(torch.uint8)
-    bias_arg = bias if bias is not None else c
-    scale_arg = tensor_scale if tensor_scale is not None else c
-    key = (M, N, K, b.fmt, c.dtype, c.device, bias is not None and bias.dtype, tensor_scale is not None,
-           b.data.data_ptr(), b.data.stride(0), b_scales.stride(0), x.stride(0),
-           *(t.data_ptr() % 16 for t in (x, bias_arg)))
-    plan = _wgmma_plans.get(key)
-    if plan is None:
-        block_n, stages, per_sm = _wgmma_shape(b.fmt, tokens, N, K)
-        token_tiles = runtime.cdiv(M, tokens)
-        while block_n > 64 and runtime.cdiv(N, block_n) * token_tiles < runtime.num_sms(c.device.index or 0):
-            block_n //= 2
-        tiles = runtime.cdiv(N, block_n)
-        split, k_per_split = split_k(tiles * token_tiles, K, WGMMA_STEP_K, c.device, per_sm)
-        words = b.data.view(torch.int32)
-        step_words = _wgmma_step_words(b.fmt)
-        b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, step_words],
-                                  gl.NVMMASharedLayout.get_default_for([block_n, step_words], gl.int32))
-        x_by_tma = tokens >= WGMMA_TMA_X_MIN_TOKENS
-        x_columns = x_desc = None
-        if x_by_tma:
-            x_columns = _wgmma_x_columns(K, b.fmt, c.device)
-            x_permuted = torch.empty(M, K, dtype=torch.bfloat16, device=c.device)
-            x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
-                                      gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
-        constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
-                          X_BY_TMA=x_by_tma, num_warps=block_n // 16)
-        plan = [(token_tiles, tiles, split), split, k_per_split // WGMMA_STEP_K, constexprs, [], b_desc, x_columns,
-                x_desc]
-        _wgmma_plans.put(key, plan)
-    grid, split, steps_per_split, constexprs, entries, b_desc, x_columns, x_desc = plan
+    block_n, stages, per_sm = _wgmma_shape(b.fmt, tokens, N, K)
+    token_tiles = runtime.cdiv(M, tokens)
+    while block_n > 64 and runtime.cdiv(N, block_n) * token_tiles < runtime.num_sms(c.device.index or 0):
+        block_n //= 2
+    tiles = runtime.cdiv(N, block_n)
+    split, k_per_split = split_k(tiles * token_tiles, K, WGMMA_STEP_K, c.device, per_sm)
+    words = b.data.view(torch.int32)
+    step_words = _wgmma_step_words(b.fmt)
+    b_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [block_n, step_words],
+                              gl.NVMMASharedLayout.get_default_for([block_n, step_words], gl.int32))
+    x_columns = x_desc = None
+    if tokens >= WGMMA_TMA_X_MIN_TOKENS:
+        x_columns = _wgmma_x_columns(K, b.fmt, c.device)
+        x_permuted = torch.empty(M, K, dtype=torch.bfloat16, device=c.device)
+        x_desc = TensorDescriptor(x_permuted, [M, K], [K, 1], [tokens, WGMMA_STEP_K],
+                                  gl.NVMMASharedLayout.get_default_for([tokens, WGMMA_STEP_K], gl.bfloat16))
+    constexprs = dict(B_FMT=b.fmt, SPLIT_K=split, BLOCK_N=block_n, TOKENS=tokens, STAGES=stages,
+                      X_BY_TMA=x_desc is not None, num_warps=block_n // 16)
+    plan = ((token_tiles, tiles, split), split, k_per_split // WGMMA_STEP_K, b_desc, x_columns, x_desc)
+    return launch_with_replay(_launch_wgmma, plan, _arguments, (x, b, c, M, N, K, bias, tensor_scale), constexprs)
+
+
+def _arguments(plan, x, b, c, M, N, K, bias, tensor_scale) -> tuple:
+    grid, split, steps_per_split, b_desc, x_columns, x_desc = plan
     if x_desc is not None:
         # detach: torch refuses out= for an input that requires grad (this copy needs no gradient).
         torch.index_select(x.detach(), 1, x_columns, out=x_desc.base)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    b_scales = b.scales_by_step(WGMMA_STEP_K).view(torch.uint8)
     ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0] * grid[1])
-    args = (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias_arg, scale_arg, M, N, K,
-            steps_per_split, x.stride(0), b_scales.stride(1), b_scales.stride(0), c.stride(0))
-    launch_planned(_launch_wgmma, grid, args, constexprs, entries, bias, tensor_scale)
-
-
-_wgmma_plans = runtime.PlanTable()
+    return (x if x_desc is None else x_desc, b_desc, b_scales, c, ws, counters, bias if bias is not None else c,
+            tensor_scale if tensor_scale is not None else c, M, N, K, steps_per_split, x.stride(0),
+            b_scales.stride(1), b_scales.stride(0), c.stride(0))
