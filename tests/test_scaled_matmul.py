@@ -10,7 +10,8 @@ import torch
 from conftest import gpu_only
 from helpers import compile_fullgraph
 from tritonformer import quant, runtime
-from tritonformer.ops.scaled_matmul import dequantize_first, dot_scaled, wgmma
+from tritonformer.testing import assert_close
+from tritonformer.ops.scaled_matmul import activation_grad, dequantize_first, dot_scaled, wgmma
 from tritonformer.ops.scaled_matmul import scaled_matmul, scaled_matmul_reference
 
 
@@ -368,6 +369,30 @@ def test_the_activation_and_bias_get_their_gradients(fmt, M, device):
     trainable.weight.grad = None
     compile_fullgraph(lambda t: layer(trainable(t)).float().sum())(h).backward()
     assert (trainable.weight.grad.double() - eager.double()).norm() / eager.double().norm() < 1e-2
+
+
+@pytest.mark.parametrize("wide", [False, pytest.param(True, marks=gpu_only)])
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M,N,K,axis", [(1, 48, 128, 1), (17, 130, 192, 1), (5, 70, 64, 0)])
+def test_the_activation_gradient_decodes_the_weight_in_registers(fmt, M, N, K, axis, wide, device, monkeypatch):
+    """dA = dC B by activation_grad's kernel (B's rows split across programs where N is past two
+    of its steps; `wide`: the large weights' tiles) against float64: fresh data each call, the
+    second call of a layout replayed, a transposed dC; and the autograd backward of a few rows
+    takes this kernel."""
+    if wide:
+        monkeypatch.setattr(activation_grad, "WIDE_TILE_MIN_WEIGHT", 0)
+    shape = (N, K) if axis == 1 else (K, N)
+    w = quant.quantize(torch.randn(*shape, device=device), fmt, axis=axis)
+    w64 = quant.dequantize_reference(w).double()
+    w64 = w64 if axis == 1 else w64.t()
+    for transposed in (False, False, True):
+        dc = torch.randn(N, M, device=device).t() if transposed else torch.randn(M, N, device=device)
+        dc = dc.to(torch.bfloat16)
+        assert_close(activation_grad.run(dc, w), dc.double() @ w64, torch.bfloat16, "norm")
+    assert activation_grad.fits(M)
+    x = torch.randn(M, K, device=device).to(torch.bfloat16).requires_grad_()
+    (dx,) = torch.autograd.grad(scaled_matmul(x, w), x, dc)
+    assert torch.equal(dx, activation_grad.run(dc, w))
 
 
 @pytest.mark.parametrize("M", [1, 17, 520])

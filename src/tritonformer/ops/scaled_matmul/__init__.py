@@ -22,7 +22,7 @@ import torch
 
 from ... import quant, runtime
 from ...quant import QuantizedTensor
-from . import dequantize_first, dot_scaled, gemv, in_registers, mma, wgmma
+from . import activation_grad, dequantize_first, dot_scaled, gemv, in_registers, mma, wgmma
 
 
 def _operand(name: str, t) -> None:
@@ -82,8 +82,10 @@ def _forward(a, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor |
 
 class ScaledMatmulFunction(torch.autograd.Function):
     """scaled_matmul of a bf16 A with gradients for A and the bias; the block-scaled B is frozen
-    (QLoRA's base weight). dA = dC B, through B dequantized to bf16 (docs/scaled_matmul.md); under
-    torch.compile the dequantize is plain PyTorch, which inductor fuses into the product's input."""
+    (QLoRA's base weight). dA = dC B: B decoded in registers up to ACTIVATION_GRAD_MAX_M rows
+    (activation_grad.py), else through B dequantized to bf16 and cuBLAS (docs/scaled_matmul.md);
+    under torch.compile the dequantize is plain PyTorch, which inductor fuses into the product's
+    input."""
 
     @staticmethod
     def forward(ctx, a, bias, b_data, b_scales, b_tensor_scale, b_fmt, b_shape, b_axis, out_dtype):
@@ -100,9 +102,12 @@ class ScaledMatmulFunction(torch.autograd.Function):
         b = QuantizedTensor(b_data, b_scales, fmt, torch.Size(shape), axis, b_tensor_scale)
         da = dbias = None
         if ctx.needs_input_grad[0]:
-            w = (quant.dequantize_reference(b, ctx.a_dtype) if torch.compiler.is_compiling()
-                 else quant.dequantize(b, ctx.a_dtype))
-            da = dc.to(ctx.a_dtype) @ (w if axis == 1 else w.t())
+            if not torch.compiler.is_compiling() and activation_grad.fits(dc.shape[0]):
+                da = activation_grad.run(dc.to(ctx.a_dtype), b)
+            else:
+                w = (quant.dequantize_reference(b, ctx.a_dtype) if torch.compiler.is_compiling()
+                     else quant.dequantize(b, ctx.a_dtype))
+                da = dc.to(ctx.a_dtype) @ (w if axis == 1 else w.t())
         if ctx.needs_input_grad[1]:
             dbias = dc.float().sum(0)
         return da, dbias, None, None, None, None, None, None, None
