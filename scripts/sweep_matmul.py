@@ -65,7 +65,7 @@ def main() -> None:
 
     def fresh():
         mm._launch_matmul.chosen.clear()
-        mm._replays.clear()
+        runtime.clear_plans()
 
     for shape in args.shapes or SHAPES:
         dims = list(map(int, shape.split("x")))

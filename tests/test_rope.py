@@ -137,6 +137,21 @@ def test_flat_path_matches_reference(dtype, B, Hq, Hk, S, D, views, table, devic
         assert_close(g, r, dtype)
 
 
+class _Recorded:
+    """A launcher that notes its name in `launched` at each launch or replay, then runs it."""
+
+    def __init__(self, launch, name: str, launched: list):
+        self.launch, self.name, self.launched = launch, name, launched
+
+    def __call__(self, *args, **kwargs):
+        self.launched.append(self.name)
+        return self.launch(*args, **kwargs)
+
+    def replay(self, *args):
+        self.launched.append(self.name)
+        return self.launch.replay(*args)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flat_path_equals_head_walking_path(dtype, device, monkeypatch):
     # Same float32 formula, same roundings: the two kernels agree exactly under the interpreter
@@ -145,10 +160,15 @@ def test_flat_path_equals_head_walking_path(dtype, device, monkeypatch):
     k = torch.randn(2, 2, 11, 32, device=device).to(dtype)
     cos, sin = _tables(2, 11, 32, device, "batch")
     douts = torch.randn_like(q), torch.randn_like(k)
-    results = []
+    results, launched = [], []
+    for name in ("_launch_rope", "_launch_rope_flat"):
+        monkeypatch.setattr(rope_op, name, _Recorded(getattr(rope_op, name), name, launched))
     for flat in (True, False):
         monkeypatch.setattr(rope_op, "FLAT_BHSD", flat)
+        rope_op.runtime.clear_plans()  # FLAT_BHSD keys no plan: the second path must plan afresh
+        launched.clear()
         results.append([*tf.apply_rope(q, k, cos, sin), *rope_op.rope_bwd(*douts, cos, sin, False)])
+        assert set(launched) == {"_launch_rope_flat" if flat else "_launch_rope"}
     for a, b in zip(*results):
         if rope_op.runtime.INTERPRET:
             assert torch.equal(a, b)

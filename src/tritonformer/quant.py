@@ -134,7 +134,7 @@ class QuantizedTensor:
         logical shape and axis (which give data's and scales' shapes and dtypes), their strides,
         16-byte alignments and device, and the tensor scale's presence and alignment."""
         data, scales, tensor_scale = self.data, self.scales, self.tensor_scale
-        return (self.fmt, self.shape, self.axis, data.stride(), scales.stride(), data.data_ptr() % 16,
+        return (self.fmt, tuple(self.shape), self.axis, data.stride(), scales.stride(), data.data_ptr() % 16,
                 scales.data_ptr() % 16, data.device, None if tensor_scale is None else tensor_scale.data_ptr() % 16)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -376,7 +376,8 @@ _KEYED_AS_IS = frozenset({int, float, bool, str, type(None), torch.dtype})
 
 def call_key(args: tuple) -> tuple:
     """The layout key of a call, which `planned` replays by: each tensor's shape, strides, dtype,
-    16-byte alignment and device; an object with a layout_key() by it; the rest as themselves.
+    16-byte alignment and device; an object with a layout_key() by it; the rest as themselves
+    (hashable: numbers, strings, dtypes, None).
     Flat, built in a loop: 1.9 against 3.7 us a planned call with nested tuples built by a
     comprehension (Python 3.11, docs/runtime.md). A tensor's five entries start with its
     torch.Size, which no other argument is, so the flat tuple stays unambiguous."""
@@ -386,8 +387,9 @@ def call_key(args: tuple) -> tuple:
             key.append(a)
         elif isinstance(a, torch.Tensor):
             key += (a.shape, a.stride(), a.dtype, a.data_ptr() % 16, a.device)
-        else:
-            key.append(a.layout_key())
+        else:  # a QuantizedTensor; a number of another type (numpy's float64) as itself
+            layout_key = getattr(a, "layout_key", None)
+            key.append(a if layout_key is None else layout_key())
     return tuple(key)
 
 
