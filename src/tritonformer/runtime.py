@@ -419,12 +419,12 @@ def planned(fn: Callable | None = None, *, key: Callable | None = None):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if kwargs or compile_only():
-                return _plan(fn, args, kwargs)
+                return _plan(fn, args, kwargs)[0]
             plan_key = call_key(args) if key is None else (call_key(args), key(*args))
             replay = plans.get(plan_key)
             if replay is not None:
                 return replay(*args)
-            result, replay = _plan(fn, args, kwargs, True)
+            result, replay = _plan(fn, args, kwargs)
             if replay is not None:
                 plans.put(plan_key, replay)
             return result
@@ -435,15 +435,15 @@ def planned(fn: Callable | None = None, *, key: Callable | None = None):
     return decorate if fn is None else decorate(fn)
 
 
-def _plan(fn: Callable, args: tuple, kwargs: dict, with_replay: bool = False):
-    """fn's own path; with_replay: (its result, the replay it kept or None)."""
+def _plan(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """fn's own path: (its result, the replay it kept or None)."""
     kept = []
     token = _PLANNING.set(kept)
     try:
         result = fn(*args, **kwargs)
     finally:
         _PLANNING.reset(token)
-    return (result, kept[-1] if kept else None) if with_replay else result
+    return result, kept[-1] if kept else None
 
 
 _PLAN_TABLES: list[PlanTable] = []
