@@ -151,6 +151,30 @@ def test_padding_mask_goes_through_sdpa_and_matches(device, spy_attention):
     assert not spy_attention  # a padding mask is not ours to apply
 
 
+def test_plain_causal_batch_takes_our_kernel_while_hf_sees_tracing(device, spy_attention, monkeypatch):
+    """While a CUDA graph captures (or dynamo traces) HF's SDPA mask would build a full (S, S)
+    mask: the tritonformer mask interface still answers None for a causal batch without padding,
+    also when the queries are the last of the keys (a chunk after a cache)."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args: True)
+    model, reference = _models()
+    model.to(device), reference.to(device)
+    ids = _ids(device, S=12)
+    with torch.no_grad():
+        assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)
+        assert len(spy_attention) == 2
+        past = model(ids[:, :5], use_cache=True).past_key_values
+        chunk = model(ids[:, 5:], past_key_values=past).logits
+    assert len(spy_attention) == 6
+    assert_close(chunk, reference(ids).logits[:, 5:].double(), torch.float32)
+    common = dict(batch_size=2, q_length=7, kv_offset=0, mask_function=masking_utils.causal_mask_function,
+                  attention_mask=None, device=device)
+    assert hf.attention_mask(kv_length=12, q_offset=5, **common) is None
+    # A static cache's keys run past the queries: HF's mask, which hides the empty slots.
+    assert hf.attention_mask(kv_length=16, q_offset=5, **common).shape == (2, 1, 7, 16)
+
+
 def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention):
     model, reference = _models()
     model.to(device), reference.to(device)

@@ -515,13 +515,29 @@ def _causal_lm_forward(hf_forward, family: Family):
 
 # ---- registration ----
 
+def attention_mask(**kwargs) -> torch.Tensor | None:
+    """The mask interface of attn_implementation="tritonformer": None (our kernel's causal mask)
+    for a causal mask without padding whose queries end at the last key, whatever HF's tracing
+    state; HF's SDPA mask otherwise. HF's own SDPA mask builds the full (S, S) mask while a CUDA
+    graph captures or torch.compile traces, only because SDPA aligns a causal mask top-left;
+    ours aligns it bottom-right (docs/training.md)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("attention_mask") is None
+            and kwargs.get("allow_is_causal_skip", True) and kwargs.get("local_size") is None
+            and kwargs.get("kv_offset", 0) == 0
+            and kwargs.get("q_offset", 0) + kwargs.get("q_length", -1) == kwargs.get("kv_length")):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 def register_attention() -> None:
     """Make attn_implementation="tritonformer" available (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, attention_mask)
     _wrap_packed_sequence_check()
 
 
