@@ -243,12 +243,12 @@ def test_keep_plan_outside_a_planned_launcher_is_an_error():
         runtime.keep_plan(lambda: None)
 
 
-def test_call_key_takes_numbers_of_other_types_as_themselves():
+def test_call_key_takes_numbers_of_other_types_as_themselves(device):
     import numpy as np
 
-    x = torch.ones(2, 3)
+    x = torch.ones(2, 3, device=device)
     assert runtime.call_key((x, np.float64(1e-6))) == runtime.call_key((x, 1e-6))
-    assert tf.rms_norm(x, torch.ones(3), np.float64(1e-6)).shape == (2, 3)
+    assert tf.rms_norm(x, torch.ones(3, device=device), np.float64(1e-6)).shape == (2, 3)
 
 
 def test_call_key_of_a_quantized_tensor_is_its_layout(device):
