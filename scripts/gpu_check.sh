@@ -3,7 +3,9 @@
 # Usage (on the device machine, repo root): bash scripts/gpu_check.sh [bench args...]
 # Environment: SKIP_TESTS=1 / SKIP_BENCH=1 skip a part; PYTEST_ARGS picks tests (default: all);
 # TEST_TIMEOUT caps the test part in seconds, so that the bench still runs within one device call;
-# E2E=1 adds the end-to-end training benchmark (bench e2e) after the op benchmark.
+# E2E=1 adds the end-to-end training benchmark (bench e2e) after the op benchmark, for the model
+# shapes in E2E_MODELS (default: e2e; also smollm2-135m, qwen2.5-0.5b) and the stacks in E2E_STACKS
+# (default: all).
 set -uo pipefail
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0; fi
 OUT=${OUT:-/tmp/tritonformer-gpu}
@@ -23,5 +25,5 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m tritonformer bench --out "$OUT/${BENCH_DIR:-bench}" "$@" 2>&1 | tee "$OUT/${BENCH_DIR:-bench}.log" | tail -60
 fi
 if [ "${E2E:-0}" = 1 ]; then
-  python3 -m tritonformer bench e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -15
+  python3 -m tritonformer bench e2e --model ${E2E_MODELS:-e2e} ${E2E_STACKS:+--stacks $E2E_STACKS} --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -15
 fi

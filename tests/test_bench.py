@@ -227,13 +227,32 @@ def test_e2e_stacks_train_to_the_same_loss(tmp_path):
     from tritonformer.bench import e2e
 
     sizes = dict(e2e.QUICK, steps=e2e.WARMUP_STEPS + 1, new_tokens=2)
-    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer")]
+    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer", "tritonformer+cuda_graphs")]
     for row in rows:
         assert len(row["losses"]) == sizes["steps"] and row["tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
-    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    for row in rows[1:]:
+        assert row["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
     report = e2e.write_report(rows + [dict(stack="hf+liger", error="liger_kernel is not installed")], sizes, tmp_path)
     text = report.read_text()
     assert "| tritonformer |" in text and "+0.00%" in text and (tmp_path / "e2e.png").exists()
+
+
+def test_e2e_trains_each_named_model_family(tmp_path):
+    """The small-model shapes of bench e2e --model: Qwen2 (q/k/v biases, tied embeddings) at
+    the interpreter's size, patched and not, to the same losses."""
+    pytest.importorskip("transformers")
+    from tritonformer.bench import e2e
+
+    sizes = dict(e2e.QUICK, family="qwen2", tied=True, model="qwen2.5-0.5b", steps=e2e.WARMUP_STEPS + 1,
+                 new_tokens=2)
+    model = e2e.make_model(sizes, torch.device("cpu"), torch.float32)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.lm_head.weight is model.model.embed_tokens.weight
+    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer")]
+    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    report = e2e.write_report(rows, sizes, tmp_path)
+    assert report.name == "e2e-qwen2.5-0.5b.md" and "(tied embeddings)" in report.read_text()
+    assert main(["bench", "e2e", "--model", "gpt-9", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "e2e", "--stacks", "hf+jax", "--out", str(tmp_path)]) == 2
 
 
 @pytest.mark.skipif(not runtime.INTERPRET, reason="names of the CPU's peers")

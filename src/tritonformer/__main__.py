@@ -1,4 +1,4 @@
-"""Command line: `python -m tritonformer bench [OP ...|e2e] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
+"""Command line: `python -m tritonformer bench [OP ...|e2e [--model NAME ...]] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="ops to run (default: all registered), or e2e: the end-to-end training benchmark")
     bench.add_argument("--quick", action="store_true", help="the small grid only (implied without a GPU)")
     bench.add_argument("--out", type=Path, help="output directory (default: bench-out/<device>/)")
+    bench.add_argument("--model", nargs="+", default=["e2e"], metavar="NAME",
+                       help="bench e2e: the model shapes to train (e2e, smollm2-135m, qwen2.5-0.5b; default: e2e)")
+    bench.add_argument("--stacks", nargs="+", metavar="STACK",
+                       help="bench e2e: the stacks to run (default: all of bench.e2e.STACKS)")
     bench.set_defaults(handler=_bench)
 
     merge = commands.add_parser("report", help="merge the output directories of several bench runs into one report")
@@ -80,10 +84,19 @@ def _bench(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         from .bench import e2e
 
+        stacks = args.stacks or e2e.STACKS
+        for asked, known, what in ((args.model, e2e.MODELS, "model"), (stacks, e2e.STACKS, "stack")):
+            unknown = [name for name in asked if name not in known]
+            if unknown:
+                print(f"tritonformer bench e2e: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}",
+                      file=sys.stderr)
+                return EXIT_USAGE
         out_dir = args.out or Path("bench-out") / "e2e"
-        rows = e2e.run(out_dir, quick)
-        print(f"\nwrote {out_dir / 'e2e.md'}")
-        ours_failed = any("error" in r for r in rows if r["stack"].startswith("tritonformer"))
+        ours_failed = False
+        for model in args.model:
+            rows = e2e.run(out_dir, quick, stacks, model)
+            print(f"\nwrote {out_dir / e2e.report_stem(model)}.md")
+            ours_failed |= any("error" in r for r in rows if r["stack"].startswith("tritonformer"))
         return EXIT_CHECK_FAILED if ours_failed else EXIT_OK
     try:
         ops = runner.select_ops(args.ops)

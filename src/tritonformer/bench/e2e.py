@@ -1,15 +1,19 @@
-"""`python -m tritonformer bench e2e`: train a Llama-style model (built from a config, no
-download) with each stack and report tokens/s, step time, peak memory, warm-up time and the loss,
-plus a prefill and a greedy generation measure.
+"""`python -m tritonformer bench e2e [--model NAME ...]`: train a model of a named shape (built
+from a config, no download) with each stack and report tokens/s, step time, peak memory, warm-up
+time and the loss, plus a prefill and a greedy generation measure.
 
-Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when importable), HF + torch.compile,
-HF + tritonformer (integrations.hf.patch) and HF + tritonformer + torch.compile. Each runs in a
-child process of its own (Liger and our patch both replace module-level functions of
-transformers, and peak memory is per process), on the same seeded weights and data, with fused
-AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation included,
-each stack starting from empty Triton and Inductor caches);
-the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill (the
-median of PREFILL_REPEATS) and generation run the model itself (patched or not), without torch.compile, in every stack.
+Models (MODELS): "e2e", the Llama-style model of ../shared/ANCHORS.md; "smollm2-135m" and
+"qwen2.5-0.5b", the shapes of the small models most fine-tuned (issue 44; Qwen2 with its q/k/v
+biases; both with tied embeddings). Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when
+importable), HF + torch.compile, HF + tritonformer (integrations.hf.patch), the same with the
+whole step as a CUDA graph (tritonformer.capture_step), and HF + tritonformer + torch.compile.
+Each runs in a child process of its own (Liger and our patch both replace module-level functions
+of transformers, and peak memory is per process), on the same seeded weights and data, with fused
+AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation and graph
+capture included, each stack starting from empty Triton and Inductor caches); the step time is
+the median of the later steps; tokens/s is batch x seq over it. Prefill (the median of
+PREFILL_REPEATS) and generation run the model itself (patched or not), without torch.compile or
+graphs, in every stack.
 """
 
 from __future__ import annotations
@@ -26,14 +30,23 @@ from pathlib import Path
 
 # A prefill is a few milliseconds: its time is the median of several.
 PREFILL_REPEATS = 5
-STACKS = ("hf-eager", "hf+liger", "hf+torch.compile", "tritonformer", "tritonformer+torch.compile")
+STACKS = ("hf-eager", "hf+liger", "hf+torch.compile", "tritonformer", "tritonformer+cuda_graphs",
+          "tritonformer+torch.compile")
 WARMUP_STEPS = 3
-# The model of ../shared/ANCHORS.md (issue 6): 8 layers, hidden 2048, bf16, batch 4 x 2048.
-FULL = dict(layers=8, hidden=2048, intermediate=8192, heads=16, kv_heads=4, vocab=128256, batch=4, seq=2048,
-            steps=50, prompt=512, new_tokens=128)
-# Under the interpreter: a model small enough to train a few steps in seconds.
-QUICK = dict(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=256, batch=2, seq=32,
-             steps=WARMUP_STEPS + 2, prompt=8, new_tokens=4)
+RUN = dict(batch=4, seq=2048, steps=50, prompt=512, new_tokens=128)
+MODELS = {
+    # The model of ../shared/ANCHORS.md (issue 6): 8 layers, hidden 2048, bf16, batch 4 x 2048.
+    "e2e": dict(family="llama", layers=8, hidden=2048, intermediate=8192, heads=16, kv_heads=4, vocab=128256,
+                tied=False, **RUN),
+    "smollm2-135m": dict(family="llama", layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152,
+                         tied=True, **RUN),
+    "qwen2.5-0.5b": dict(family="qwen2", layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936,
+                         tied=True, **RUN),
+}
+FULL = MODELS["e2e"]
+# Under the interpreter: a model small enough to train a few steps in seconds (of each family).
+QUICK = dict(family="llama", layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=256, tied=False,
+             batch=2, seq=32, steps=WARMUP_STEPS + 2, prompt=8, new_tokens=4)
 
 
 def _sync(device):
@@ -49,9 +62,11 @@ def make_model(sizes: dict, device, dtype):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    config = configs[sizes.get("family", "llama")](
         vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
         num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
+        tie_word_embeddings=sizes.get("tied", False),
         max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]))
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
 
@@ -63,7 +78,7 @@ def run_stack(stack: str, sizes: dict) -> dict:
     if sizes["steps"] <= WARMUP_STEPS:
         raise ValueError(f"steps must exceed the {WARMUP_STEPS} warm-up steps, got {sizes['steps']}")
 
-    import tritonformer  # noqa: F401  (before transformers: picks the interpreter without a GPU)
+    import tritonformer  # before transformers: picks the interpreter without a GPU
     from tritonformer import runtime
 
     device = torch.device(runtime.DEVICE)
@@ -77,6 +92,16 @@ def run_stack(stack: str, sizes: dict) -> dict:
         hf.patch(model)
     step_model = torch.compile(model) if stack.endswith("torch.compile") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def train_step(ids):
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if stack.endswith("cuda_graphs"):
+        train_step = tritonformer.capture_step(train_step)
     data = torch.randint(0, sizes["vocab"], (sizes["steps"], sizes["batch"], sizes["seq"]),
                          generator=torch.Generator().manual_seed(1)).to(device)
     if device.type == "cuda":
@@ -87,11 +112,7 @@ def run_stack(stack: str, sizes: dict) -> dict:
     start = time.perf_counter()
     for step in range(sizes["steps"]):
         t0 = time.perf_counter()
-        loss = step_model(input_ids=data[step], labels=data[step]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(train_step(data[step]).detach())
         _sync(device)
         times.append(time.perf_counter() - t0)
         if step == WARMUP_STEPS - 1:
@@ -124,9 +145,13 @@ def run_stack(stack: str, sizes: dict) -> dict:
                 prefill_ms=prefill_s * 1e3, generate_tokens_per_s=sizes["new_tokens"] / generate_s)
 
 
-def run(out_dir: Path, quick: bool, stacks=STACKS) -> list[dict]:
-    """Each stack in a child process; rows (with an `error` for a stack that failed)."""
-    sizes = QUICK if quick else FULL
+def run(out_dir: Path, quick: bool, stacks=STACKS, model: str = "e2e") -> list[dict]:
+    """Each stack in a child process, training `model` (a MODELS name; its family at QUICK's
+    size when quick); rows (with an `error` for a stack that failed)."""
+    if model not in MODELS:
+        raise ValueError(f"bench e2e: unknown model {model!r}; known: {', '.join(MODELS)}")
+    sizes = dict(QUICK, family=MODELS[model]["family"], tied=MODELS[model]["tied"]) if quick else MODELS[model]
+    sizes = dict(sizes, model=model)
     rows = []
     caches = tempfile.TemporaryDirectory(prefix="tritonformer-e2e-")
     for i, stack in enumerate(stacks):
@@ -154,14 +179,22 @@ def run(out_dir: Path, quick: bool, stacks=STACKS) -> list[dict]:
     return rows
 
 
+def report_stem(model: str) -> str:
+    """The file name (less its suffix) of a model's report: e2e.md for the e2e model."""
+    return "e2e" if model == "e2e" else f"e2e-{model}"
+
+
 def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "e2e.json").write_text(json.dumps(dict(sizes=sizes, rows=rows), indent=1))
+    stem = report_stem(sizes.get("model", "e2e"))
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(sizes=sizes, rows=rows), indent=1))
     eager = next((r for r in rows if r["stack"] == "hf-eager" and "error" not in r), None)
     lines = [
-        "# End-to-end training (Llama-style model from a config)", "",
+        f"# End-to-end training: {sizes.get('model', 'e2e')} shape ({sizes.get('family', 'llama')} model from a config)",
+        "",
         f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
-        f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}, batch {sizes['batch']} x "
+        f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}"
+        f"{' (tied embeddings)' if sizes.get('tied') else ''}, batch {sizes['batch']} x "
         f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps, "
         "from empty Triton and Inductor caches (a first run); "
         f"prefill of {sizes['prompt']} tokens; greedy generation of {sizes['new_tokens']} tokens.", "",
@@ -177,10 +210,10 @@ def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
         lines.append(f"| {r['stack']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
                      f"{r['warmup_s']:.1f} | {r['final_loss']:.4f} | {vs} | {r['prefill_ms']:.1f} | "
                      f"{r['generate_tokens_per_s']:.1f} |")
-    lines += ["", "![e2e](e2e.png)", ""]
-    path = out_dir / "e2e.md"
+    lines += ["", f"![{stem}]({stem}.png)", ""]
+    path = out_dir / f"{stem}.md"
     path.write_text("\n".join(lines))
-    _plot([r for r in rows if "error" not in r], out_dir / "e2e.png")
+    _plot([r for r in rows if "error" not in r], out_dir / f"{stem}.png")
     return path
 
 
