@@ -34,7 +34,7 @@ class _StandInGraph:
     def new_pool(device):
         return object()
 
-    def __init__(self, fn, args, kwargs, pool):
+    def __init__(self, fn, args, kwargs, pool, device):
         type(self).captures += 1
         self.fn, self.args, self.kwargs, self.outputs = fn, args, kwargs, None
 
@@ -136,20 +136,41 @@ def test_a_learning_rate_changed_after_capture_raises(stand_in):
     captured(x, y)
     opt.param_groups[0]["lr"] = 0.05  # before the capture: taken
     captured(x, y), captured(x, y)
+    opt.param_groups[0]["max_lr"] = 0.1  # a key added after capture (a scheduler's) holds nothing
+    captured(x, y)
     opt.param_groups[0]["lr"] = 0.01  # after it: the graph would keep 0.05
-    with pytest.raises(CaptureError, match="'lr', 0.05"):
+    with pytest.raises(CaptureError, match=r"'lr' changed after capture \(0.05 -> 0.01\)"):
         captured(x, y)
 
 
-def test_a_step_that_cannot_be_captured_says_why(stand_in, monkeypatch):
-    def failing(*args):
+def test_a_step_that_cannot_be_captured_says_why_once_and_leaves_no_gradients(stand_in, monkeypatch):
+    model, _, step = _model_and_step()
+    attempts = []
+
+    def failing(self, fn, args, kwargs, pool, device):
+        # As far as a capture gets: the backward assigned gradients, then a host synchronisation.
+        attempts.append(1)
+        torch.nn.functional.mse_loss(model(args[0]), args[1]).backward()
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(stand_in, "__init__", failing)
-    captured = capture_step(lambda x: x * 2)
-    captured(torch.ones(2))
-    with pytest.raises(CaptureError, match="host synchronisation.*not permitted when stream is capturing"):
-        captured(torch.ones(2))
+    captured = capture_step(step)
+    x, y = _batches(1)[0]
+    captured(x, y)
+    for _ in range(2):
+        with pytest.raises(CaptureError, match="host synchronisation.*not permitted when stream is capturing"):
+            captured(x, y)
+    assert len(attempts) == 1  # the layout's failure is remembered, not retried
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_host_scalar_argument_is_keyed_by_its_value(stand_in):
+    model = torch.nn.Linear(8, 1)
+    captured = capture_step(lambda x, scale: model(x).sum() * scale)
+    x = torch.randn(2, 8)
+    results = [captured(x, torch.tensor(s)) for s in (1.0, 1.0, 1.0, 3.0, 3.0, 3.0)]
+    assert stand_in.captures == 2
+    assert torch.allclose(results[-1], 3 * results[0])
 
 
 def test_cpu_tensors_run_the_step_as_it_is():
@@ -173,6 +194,13 @@ def test_bad_arguments():
 
 
 # ---- real CUDA graphs ----
+
+def _scribble():
+    """Fill the allocator's free blocks with NaN: a graph that reads memory freed since its
+    capture reads NaN."""
+    junk = [torch.full((n,), float("nan"), device="cuda") for n in (256, 512, 1024, 2048, 4096) for _ in range(16)]
+    del junk
+
 
 def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
     """Losses and final parameters of a patched tiny Llama trained with fused AdamW (and a
@@ -200,6 +228,7 @@ def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
     losses = []
     for shape in steps_shapes:
         losses.append(run(torch.randint(0, 128, shape, generator=g).cuda()).detach())
+        _scribble()
         if sched is not None:
             sched.step()
     return torch.stack(losses).float(), [p.detach().clone() for p in model.parameters()], run
@@ -232,6 +261,10 @@ import pytest, torch
 from tritonformer.capture import CaptureError, capture_step
 
 model = torch.nn.Linear(16, 16).cuda()
+dropout = torch.nn.Dropout(0.5)  # a captured graph that draws random numbers
+sampled = capture_step(lambda x: dropout(model(x)))
+x = torch.randn(4, 16, device="cuda")
+sampled(x), sampled(x)
 
 def step(x):
     y = model(x)
@@ -245,6 +278,11 @@ assert torch.cuda.current_stream() == torch.cuda.default_stream()
 assert not torch.cuda.is_current_stream_capturing()
 assert torch.randn(4, device="cuda").isfinite().all()
 assert torch.equal(model.weight @ torch.eye(16, device="cuda"), model.weight)
+# The graph captured before the failure replays, and manual_seed still reaches it.
+torch.manual_seed(0)
+first = sampled(x)
+torch.manual_seed(0)
+assert torch.equal(sampled(x), first) and not torch.equal(sampled(x), first)
 print("device usable")
 """
 
@@ -254,3 +292,17 @@ def test_a_host_synchronisation_in_the_step_raises_a_capture_error():
     proc = subprocess.run([sys.executable, "-c", _FAILED_CAPTURE], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("device usable")
+
+
+@gpu_only
+def test_an_optimizer_with_its_step_count_on_the_host_is_refused():
+    model = torch.nn.Linear(16, 16).cuda()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with pytest.raises(CaptureError, match="Adagrad keeps step on the CPU"):
+        capture_step(step)(torch.randn(4, 16, device="cuda"))

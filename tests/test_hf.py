@@ -175,6 +175,19 @@ def test_plain_causal_batch_takes_our_kernel_while_hf_sees_tracing(device, spy_a
     assert hf.attention_mask(kv_length=16, q_offset=5, **common).shape == (2, 1, 7, 16)
 
 
+def test_prefill_into_a_static_cache_hides_its_empty_slots(device):
+    """A static cache's keys run past a prefill's queries, which start at 0: SDPA's top-left
+    causal mask needs no mask there and HF skips it, our bottom-right one does need it."""
+    model, reference = _models()
+    model.to(device), reference.to(device)
+    ids = _ids(device, S=10)
+    with torch.no_grad():
+        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        out = model(ids, past_key_values=cache, use_cache=True).logits
+        ref = reference(ids).logits
+    assert_close(out, ref.double(), torch.float32)
+
+
 def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention):
     model, reference = _models()
     model.to(device), reference.to(device)
@@ -469,7 +482,10 @@ def test_training_steps_share_positions_and_rotary_tables(device, monkeypatch):
     for _ in range(2):
         model(ids, labels=ids).loss.backward()
     assert tables[0][0] is tables[1][0]  # the same cos tensor: computed once
-    assert hf.ROTARY_CACHE in rotary.__dict__
+    # A step at another length keeps the first length's tables (a CUDA graph of it reads them).
+    model(ids[:, :8], labels=ids[:, :8]).loss.backward()
+    model(ids, labels=ids).loss.backward()
+    assert tables[3][0] is tables[0][0] and tables[2][0].shape[-2] == 8
 
     # Two sequences packed in each row, told by position_ids only: HF's check finds them and
     # the loss is the unpatched model's (without a KV cache: with one, which HF's training

@@ -25,12 +25,14 @@ What a graph holds, and so what the step must respect:
 - The step ends with its parameters' gradients None (`zero_grad(set_to_none=True)`): the graph
   owns the gradient buffers it writes.
 - No host synchronisation inside (`.item()`, printing a tensor, a CPU tensor copied over, a data
-  dependent shape): capture raises, and the error says so.
+  dependent shape): capture raises CaptureError, and so does every later call of that layout.
+  A 0-dim CPU tensor argument reaches kernels as a number: it is keyed by its value.
 - Optimizers: those the step calls are made capturable after the first call (`capturable=True`
   where the optimizer has that option; a float learning rate of those becomes a 0-dim tensor on
   the parameters' device, which torch's LR schedulers fill in place). Any other Python number of
   a parameter group (a float lr of an optimizer without `capturable`, weight decay, betas) is
-  fixed at capture: a call after it changed raises.
+  fixed at capture: a call after it changed raises. An optimizer that keeps state on the host
+  for parameters on the device and has no `capturable` (Adagrad's step count) is refused.
 The outputs come back detached, as new tensors (never the graph's own buffers, which the next
 replay overwrites). Tensors on the CPU, a call inside another capture and torch.compile's tracing
 run the step as it is.
@@ -76,30 +78,40 @@ class _CudaGraph:
     def new_pool(device: torch.device):
         return torch.cuda.graph_pool_handle()
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pool):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, pool, device: torch.device):
         # torch.cuda.graph's steps, save that a failed capture leaves the device as it was:
         # torch's context manager stays on the capture stream when capture_end raises, and the
         # device's random generator stays in capture mode (every later random op fails).
-        torch.cuda.synchronize()
-        gc.collect()
-        generator = torch.cuda.default_generators[torch.cuda.current_device()]
-        before = generator.clone_state()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(torch.cuda.Stream()):
-            self.graph.capture_begin(pool=pool)
-            try:
-                self.outputs = fn(*args, **kwargs)
-                self.graph.capture_end()
-            except BaseException:
-                if torch.cuda.is_current_stream_capturing():
-                    with contextlib.suppress(Exception):
-                        self.graph.capture_end()
-                generator.graphsafe_set_state(before)
-                raise
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            gc.collect()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(torch.cuda.Stream()):
+                self.graph.capture_begin(pool=pool)
+                try:
+                    self.outputs = fn(*args, **kwargs)
+                    self.graph.capture_end()
+                except BaseException:
+                    if torch.cuda.is_current_stream_capturing():
+                        with contextlib.suppress(Exception):
+                            self.graph.capture_end()
+                    _end_generator_capture()
+                    raise
 
     def replay(self):
         self.graph.replay()
         return self.outputs
+
+
+def _end_generator_capture() -> None:
+    """Take the current device's random generator out of the capture mode that a failed capture
+    left it in: a capture that succeeds ends it (the generator's state object stays the one that
+    earlier graphs hold, so their replays and manual_seed keep working)."""
+    reset = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        reset.capture_begin()
+        torch.zeros(1, device=torch.cuda.current_device()).add_(1)
+        reset.capture_end()
 
 
 def _detached_copy(value):
@@ -129,17 +141,20 @@ class CapturedStep:
         self._warmed: set[tuple] = set()
         self._optimizers: list[torch.optim.Optimizer] = []
         self._fixed: dict[int, list[tuple]] = {}  # index in _optimizers -> its numbers at capture
+        self._failed: dict[tuple, CaptureError] = {}
         self._pool = None
 
     def __call__(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and not _is_host_scalar(x)]
         device = tensors[0].device if tensors else None
         if (device is None or not self.backend.supports(device) or torch.compiler.is_compiling()
                 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return pytree.tree_map(_detached_copy, self.fn(*args, **kwargs))
         self._check_hyperparameters()
         key = self._layout(spec, leaves)
+        if key in self._failed:
+            raise self._failed[key]
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self._warmed:
@@ -152,7 +167,9 @@ class CapturedStep:
 
     @staticmethod
     def _layout(spec, leaves) -> tuple:
-        layout = [(tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
+        # A 0-dim CPU tensor reaches kernels as a number: the graph holds its value, so it is keyed by it.
+        layout = [("host scalar", x.item(), x.dtype) if _is_host_scalar(x)
+                  else (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
                   for x in leaves]
         key = (spec, tuple(layout))
         try:
@@ -173,15 +190,11 @@ class CapturedStep:
         outputs = pytree.tree_map(_detached_copy, outputs)
         runtime.wait_for_background_work()  # a background compile must not run into the capture
         for opt in stepped:
+            _check_capturable(opt)
+        for opt in stepped:
             if all(opt is not known for known in self._optimizers):
                 self._optimizers.append(opt)
                 _make_capturable(opt)
-        for opt in stepped:
-            for group in opt.param_groups:
-                if any(p.grad is not None for p in group["params"]):
-                    raise CaptureError(
-                        "capture_step: the step left gradients on its parameters; end it with "
-                        "optimizer.zero_grad(set_to_none=True), so that the graph owns the gradients it writes")
         self._warmed.add(key)
         return outputs
 
@@ -195,41 +208,70 @@ class CapturedStep:
         args, kwargs = pytree.tree_unflatten(static, spec)
         if self._pool is None:
             self._pool = self.backend.new_pool(device)
+        runtime.wait_for_background_work()  # no compile thread may allocate during the capture
+        params = [p for opt in self._optimizers for group in opt.param_groups for p in group["params"]]
         try:
-            graph = self.backend(self.fn, args, kwargs, self._pool)
+            graph = self.backend(self.fn, args, kwargs, self._pool, device)
         except Exception as error:
-            raise CaptureError(
+            for p in params:  # gradients the failed capture assigned were never written
+                p.grad = None
+            self._failed[key] = CaptureError(
                 "capture_step: the step cannot be captured as a CUDA graph (a host synchronisation such as "
                 ".item() or printing a tensor, a CPU tensor copied to the GPU, a shape that depends on data, "
-                f"or an optimizer that cannot be captured): {type(error).__name__}: {error}") from error
+                f"or an optimizer that cannot be captured): {type(error).__name__}: {error}")
+            raise self._failed[key] from error
         for i, opt in enumerate(self._optimizers):
             self._fixed.setdefault(i, _hyperparameters(opt))
-        entry = (graph, [x for x in static if isinstance(x, torch.Tensor)])
+        entry = (graph, [x for x in static if isinstance(x, torch.Tensor) and not _is_host_scalar(x)])
         self.graphs[key] = entry
         return entry
 
     def _check_hyperparameters(self) -> None:
         for i, fixed in self._fixed.items():
             opt = self._optimizers[i]
-            now = _hyperparameters(opt)
-            if now != fixed:
-                was, is_ = sorted(set(fixed) - set(now)), sorted(set(now) - set(fixed))
+            changed = [(j, name, value, opt.param_groups[j].get(name)) for j, name, value in fixed
+                       if opt.param_groups[j].get(name) != value]
+            if changed:
+                j, name, was, now = changed[0]
                 raise CaptureError(
-                    f"capture_step: {type(opt).__name__}'s parameter groups changed after capture (was {was}, now "
-                    f"{is_}); the graph holds the values it was captured with (a learning rate that changes must be "
-                    "a tensor: see the capture_step doc)")
+                    f"capture_step: {type(opt).__name__}'s parameter group {j} {name!r} changed after capture "
+                    f"({was} -> {now}); the graph holds the value it was captured with (a learning rate that changes "
+                    "must be a tensor: see the capture_step doc)")
+
+
+def _is_host_scalar(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0
+
+
+def _check_capturable(opt: torch.optim.Optimizer) -> None:
+    """Refuse what a graph of `opt`'s step cannot hold: gradients left after the step, and state
+    on the host for parameters on the device (a step count a capture would advance once)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                raise CaptureError(
+                    "capture_step: the step left gradients on its parameters; end it with "
+                    "optimizer.zero_grad(set_to_none=True), so that the graph owns the gradients it writes")
+            state = opt.state.get(p, {})
+            host = [name for name, value in state.items() if isinstance(value, torch.Tensor)
+                    and value.device.type == "cpu" and p.device.type != "cpu" and "capturable" not in group]
+            if host:
+                raise CaptureError(
+                    f"capture_step: {type(opt).__name__} keeps {', '.join(host)} on the CPU for parameters on "
+                    f"{p.device}; a graph would hold its first value (use an optimizer with capturable=True)")
 
 
 def _make_capturable(opt: torch.optim.Optimizer) -> None:
     """capturable=True where `opt` has the option, its step counts on the parameters' device and
-    its float learning rates as 0-dim tensors there (filled in place by LR schedulers)."""
+    its learning rates 0-dim tensors there (filled in place by LR schedulers)."""
     for group in opt.param_groups:
-        if "capturable" not in group:
+        if "capturable" not in group or not group["params"] or group["params"][0].device.type != "cuda":
             continue
         device = group["params"][0].device
         group["capturable"] = True
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor) or lr.device != device:
+            group["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(device)
         for p in group["params"]:
             step = opt.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor) and step.device != p.device:

@@ -84,8 +84,8 @@ def run_stack(stack: str, sizes: dict) -> dict:
     device = torch.device(runtime.DEVICE)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if stack == "hf+liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama()
+        import liger_kernel.transformers
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{sizes.get('family', 'llama')}")()
     model = make_model(sizes, device, dtype)
     if stack.startswith("tritonformer"):
         from tritonformer.integrations import hf

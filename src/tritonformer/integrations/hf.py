@@ -340,11 +340,15 @@ def _rotary_forward(hf_forward):
                 or position_ids is not _default_positions_like(position_ids)):
             return hf_forward(self, x, position_ids)
         key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
-        cached = self.__dict__.get(ROTARY_CACHE)
+        # One entry per positions tensor (per sequence length), kept while the model lives: a
+        # CUDA graph of a step at one length reads its tables at their addresses even after
+        # steps at other lengths (capture_step).
+        tables = self.__dict__.setdefault(ROTARY_CACHE, {})
+        cached = tables.get(id(position_ids))
         if cached is not None and cached[0] is position_ids and cached[1] is self.inv_freq and cached[2] == key:
             return cached[3]
         out = hf_forward(self, x, position_ids)
-        self.__dict__[ROTARY_CACHE] = (position_ids, self.inv_freq, key, out)
+        tables[id(position_ids)] = (position_ids, self.inv_freq, key, out)
         return out
 
     forward.tritonformer_wraps = hf_forward
@@ -516,19 +520,25 @@ def _causal_lm_forward(hf_forward, family: Family):
 # ---- registration ----
 
 def attention_mask(**kwargs) -> torch.Tensor | None:
-    """The mask interface of attn_implementation="tritonformer": None (our kernel's causal mask)
-    for a causal mask without padding whose queries end at the last key, whatever HF's tracing
-    state; HF's SDPA mask otherwise. HF's own SDPA mask builds the full (S, S) mask while a CUDA
-    graph captures or torch.compile traces, only because SDPA aligns a causal mask top-left;
-    ours aligns it bottom-right (docs/training.md)."""
+    """The mask interface of attn_implementation="tritonformer". None (our kernel's causal mask,
+    aligned bottom-right) for a causal mask without padding whose queries end at the last key,
+    whatever HF's tracing state: HF's SDPA mask builds the full (S, S) mask while a CUDA graph
+    captures or torch.compile traces. HF's SDPA mask otherwise, made explicit where HF skipped it
+    because SDPA aligns a causal mask top-left: queries that start at 0 of a longer cache (a
+    static cache's prefill) need the keys after them hidden (docs/training.md)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("attention_mask") is None
-            and kwargs.get("allow_is_causal_skip", True) and kwargs.get("local_size") is None
-            and kwargs.get("kv_offset", 0) == 0
-            and kwargs.get("q_offset", 0) + kwargs.get("q_length", -1) == kwargs.get("kv_length")):
+    q_offset, q_length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs.get("kv_length")
+    queries_end_at_last_key = (isinstance(q_offset, int) and kwargs.get("kv_offset", 0) == 0
+                               and q_offset + q_length == kv_length)
+    if (queries_end_at_last_key and kwargs.get("mask_function") is causal_mask_function
+            and kwargs.get("attention_mask") is None and kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("local_size") is None):
         return None
-    return sdpa_mask(**kwargs)
+    mask = sdpa_mask(**kwargs)
+    if mask is None and q_length != kv_length and not queries_end_at_last_key:
+        mask = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False))
+    return mask
 
 
 def register_attention() -> None:
