@@ -160,12 +160,12 @@ def test_plain_causal_batch_takes_our_kernel_while_hf_sees_tracing(device, spy_a
     monkeypatch.setattr(masking_utils, "is_tracing", lambda *args: True)
     model, reference = _models()
     model.to(device), reference.to(device)
-    ids = _ids(device, S=12)
+    ids = _ids(device, S=30)
     with torch.no_grad():
         assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)
         assert len(spy_attention) == 2
         past = model(ids[:, :5], use_cache=True).past_key_values
-        chunk = model(ids[:, 5:], past_key_values=past).logits
+        chunk = model(ids[:, 5:], past_key_values=past).logits  # 25 queries: the flash kernel, not decode's
     assert len(spy_attention) == 6
     assert_close(chunk, reference(ids).logits[:, 5:].double(), torch.float32)
     common = dict(batch_size=2, q_length=7, kv_offset=0, mask_function=masking_utils.causal_mask_function,
@@ -188,7 +188,15 @@ def test_prefill_into_a_static_cache_hides_its_empty_slots(device):
     assert_close(out, ref.double(), torch.float32)
 
 
-def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention):
+def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention, monkeypatch):
+    decodes = []
+    real_decode = tritonformer.nn.decode.decode_attention
+
+    def counting(*args, **kwargs):
+        decodes.append(args[0].shape)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(tritonformer.nn.decode, "decode_attention", counting)
     model, reference = _models()
     model.to(device), reference.to(device)
     model.eval(), reference.eval()
@@ -197,7 +205,8 @@ def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention):
         ours = model.generate(ids, max_new_tokens=6, do_sample=False)
         theirs = reference.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(ours, theirs)
-    assert any(shape[2] == 1 for shape in spy_attention)  # decode steps (one query) ran our kernel
+    assert all(shape[2] == 5 for shape in spy_attention)  # the prefill: the flash kernel
+    assert len(decodes) == 2 * 5 and all(shape[2] == 1 for shape in decodes)  # each decode step, each layer
 
 
 def test_gradient_checkpointing(device):

@@ -7,6 +7,7 @@ import torch
 
 from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from .ops import decode_attention as decode
 from .ops.matmul import matmul
 from .ops.norm import layer_norm, rms_norm
 from . import quant, runtime
@@ -210,7 +211,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     query (B, H, S_q, D), key and value (B, H_kv, S_k, D) as the model hands them over (grouped
     heads not repeated). Returns the output as (B, S_q, H, D) and no attention weights, as HF's
     SDPA path does. Causal unless `is_causal=False` comes in kwargs or module.is_causal is False;
-    the mask is aligned bottom-right, so decoding against a KV cache (S_q < S_k) is right.
+    the mask is aligned bottom-right, so decoding against a KV cache (S_q < S_k) is right; up to
+    16 queries against more keys, without a gradient, run decode_attention.
     `sliding_window=w` lets a query see itself and the w - 1 keys before it (HF's convention).
     A packed batch (batch 1 with cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, as
     HF's flattening collator gives) runs the variable-length kernels. An attention_mask (padding)
@@ -234,6 +236,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask[:, :, :, :key.shape[-2]], scale=scaling,
             enable_gqa=key.shape[1] != query.shape[1])
+    elif (causal and query.shape[2] <= decode.MAX_QUERIES and query.shape[2] < key.shape[-2]
+          and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+        # A decode step against a KV cache: the G query heads of a KV head read its keys once,
+        # over splits of the cache (ops/decode_attention.py).
+        out = decode.decode_attention(query, key, value, None, scaling, window)
     else:
         out = attention(query, key, value, causal, scaling, window)
     return out.transpose(1, 2), None

@@ -8,6 +8,7 @@ from .spec import OpSpec
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     add.SPEC,
     attention.SPEC,
+    attention.DECODE_SPEC,
     softmax.SPEC,
     matmul.SPEC,
     norm.RMS_NORM_SPEC,

@@ -1,7 +1,10 @@
 """Cases of `attention`: fp32, bf16 and fp16 with causal masks, windows, GQA/MQA, S_q != S_k,
 transposed inputs and packed variable-length batches for the tests; bf16 Llama-shaped heads
 (causal and full, forward and forward+backward) and a packed batch of 8 causal sequences for the
-benchmark, against SDPA's flash and cuDNN backends (the packed batch against SDPA on it padded)."""
+benchmark, against SDPA's flash and cuDNN backends (the packed batch against SDPA on it padded).
+Cases of `decode_attention`: ragged batches, query tokens, windows, every dtype; for the
+benchmark one query token of Llama-3-8B-shaped heads against caches of 2k to 32k keys at batch 1
+to 64, against SDPA over the same cache."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 from .. import runtime
 from ..ops.attention import attention, attention_reference
+from ..ops.decode_attention import decode_attention, decode_attention_reference
 from ..spec import Bench, BenchCase, OpSpec, TestCase
 from . import peers
 
@@ -190,5 +194,66 @@ SPEC = OpSpec(
     reference=attention_reference,
     test_cases=test_cases,
     bench_cases=bench_cases,
+    compare="norm",
+)
+
+
+def decode_test_cases() -> list[TestCase]:
+    def case(id, dtype, B=2, H=4, H_kv=2, S_q=1, S_max=40, D=32, lens=None, window=None, splits=2, gpu_only=False):
+        def make(device):
+            q = torch.randn(B, H, S_q, D, device=device).to(dtype)
+            k, v = (torch.randn(B, H_kv, S_max, D, device=device).to(dtype) for _ in range(2))
+            seq_lens = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=device)
+            return (q, k, v, seq_lens), dict(window=window, **({} if splits is None else {"num_splits": splits}))
+
+        return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only)
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    return [
+        case("fp32-ragged", fp32, lens=[40, 9]),
+        case("fp32-sq4-window", fp32, S_q=4, H=8, H_kv=2, lens=[33, 40], window=7),
+        case("fp32-one-split", fp32, splits=1),
+        case("bf16-ragged-d64", bf16, D=64, lens=[3, 40]),
+        case("fp16-sq16-mqa", fp16, S_q=16, H=4, H_kv=1, lens=[40, 20]),
+        case("bf16-8k-d128", bf16, B=4, H=32, H_kv=8, S_max=8192, D=128, lens=[8192, 4000, 1, 100], splits=None,
+             gpu_only=True),
+    ]
+
+
+def _decode_reference(q, k, v, seq_lens=None, window=None, num_splits=None):
+    return decode_attention_reference(q, k, v, seq_lens, window=window)
+
+
+def decode_bench_cases() -> list[BenchCase]:
+    """One new token a sequence against a full cache (Llama-3-8B's 32/8 heads of 128, bf16):
+    the bytes are the cache's K and V, read once."""
+    H, H_kv, D, dtype = 32, 8, 128, torch.bfloat16
+    grid = [(1, 2048), (1, 8192), (1, 32768), (16, 4096), (64, 2048)]
+    cases = []
+    for B, S in ([(1, 256)] if runtime.INTERPRET else grid):
+        heads, kv_heads = (8, 2) if runtime.INTERPRET else (H, H_kv)
+
+        def setup(B=B, S=S, heads=heads, kv_heads=kv_heads):
+            device = runtime.DEVICE
+            q = torch.randn(B, heads, 1, D, device=device, dtype=dtype)
+            k, v = (torch.randn(B, kv_heads, S, D, device=device, dtype=dtype) for _ in range(2))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            return Bench({"tritonformer": lambda: decode_attention(q, k, v),
+                          "sdpa": lambda: sdpa(q, k, v, enable_gqa=True)},
+                         reference=lambda: decode_attention_reference(q, k, v).to(dtype))
+
+        cache_bytes = 2 * B * kv_heads * S * D * dtype.itemsize
+        cases.append(BenchCase("decode_attention", "fwd", dtype, f"B{B}xS{S}xH{heads}/{kv_heads}xD{D}", B * S, setup,
+                               bytes=cache_bytes + 2 * B * heads * D * dtype.itemsize, plot="decode bf16",
+                               quick=runtime.INTERPRET))
+    return cases
+
+
+DECODE_SPEC = OpSpec(
+    name="decode_attention",
+    fn=decode_attention,
+    reference=_decode_reference,
+    test_cases=decode_test_cases,
+    bench_cases=decode_bench_cases,
     compare="norm",
 )
