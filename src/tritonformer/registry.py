@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cases import add, attention, cross_entropy, matmul, norm, rope, scaled_matmul, softmax, swiglu
+from .cases import add, attention, cross_entropy, matmul, moe, norm, rope, scaled_matmul, softmax, swiglu
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
@@ -21,4 +21,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     cross_entropy.SPEC,
     cross_entropy.FUSED_LINEAR_SPEC,
     scaled_matmul.SPEC,
+    moe.SPEC,
 )}
