@@ -25,16 +25,18 @@ def _inputs(device, dtype, B=2, H=4, H_kv=2, S_q=1, S_max=40, D=32, lens=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_ragged_batch_matches_the_reference(device, dtype, splits):
-    q, k, v, lens = _inputs(device, dtype, B=3, H=6, H_kv=2, S_q=2, S_max=50, lens=[50, 17, 2])
+    # 200 keys: several splits also with the GPU's 64-key blocks.
+    q, k, v, lens = _inputs(device, dtype, B=3, H=6, H_kv=2, S_q=2, S_max=200, lens=[200, 77, 2])
     out = decode_attention(q, k, v, lens, num_splits=splits)
     assert out.shape == q.shape and out.dtype == dtype
+    assert out.transpose(1, 2).is_contiguous()  # laid out (B, S_q, H, D), as HF reshapes it
     assert_close(out, decode_attention_reference(q, k, v, lens), dtype)
 
 
 @pytest.mark.parametrize("S_q", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 0, 9])
 def test_query_tokens_and_windows(device, S_q, window):
-    q, k, v, lens = _inputs(device, torch.float32, B=2, H=4, H_kv=1, S_q=S_q, S_max=45, lens=[45, 30])
+    q, k, v, lens = _inputs(device, torch.float32, B=2, H=4, H_kv=1, S_q=S_q, S_max=150, lens=[150, 30])
     out = decode_attention(q, k, v, lens, window=window, num_splits=2)
     assert_close(out, decode_attention_reference(q, k, v, lens, window=window), torch.float32)
 
@@ -67,6 +69,20 @@ def test_strided_cache_and_query(device):
     assert_close(out, decode_attention_reference(q, k, v, lens), torch.float32)
 
 
+def test_many_query_heads_a_kv_head_take_several_row_blocks(device):
+    """48 query heads on one KV head, 16 queries each: 768 rows, more than one program's tile."""
+    q, k, v, lens = _inputs(device, torch.float32, B=1, H=48, H_kv=1, S_q=16, S_max=40, lens=[37])
+    assert_close(decode_attention(q, k, v, lens, num_splits=2), decode_attention_reference(q, k, v, lens),
+                 torch.float32)
+
+
+def test_strided_lengths(device):
+    q, k, v, _ = _inputs(device, torch.float32, B=3, S_max=40)
+    lens = torch.tensor([[40, 1], [5, 2], [23, 3]], dtype=torch.int32, device=device)[:, 0]
+    assert lens.stride(0) == 2
+    assert_close(decode_attention(q, k, v, lens), decode_attention_reference(q, k, v, lens), torch.float32)
+
+
 def test_replayed_launches_see_each_calls_data(device):
     runtime.clear_plans()
     for _ in range(3):
@@ -80,10 +96,16 @@ def test_replayed_launches_see_each_calls_data(device):
 
 
 def test_split_count_fills_the_gpu_within_bounds():
-    assert default_splits(64, 8, 128) == 1  # one key block's worth: no split
-    many = default_splits(1, 1, 1 << 20)
-    assert many == min(MAX_SPLITS, runtime.cdiv(4 * runtime.num_sms(0), 1))
-    assert 1 <= default_splits(1, 8, 4096) <= 16
+    from tritonformer.ops.decode_attention import MIN_SPLIT, PROGRAMS_PER_SM
+
+    target = PROGRAMS_PER_SM * runtime.num_sms(0)
+    assert default_splits(64, 8, 128) == 1  # a short cache: one launch
+    assert default_splits(4 * target, 1, 1 << 20) == 1  # the batch alone fills the GPU
+    for B, H_kv, S in ((1, 8, 4096), (1, 1, 1 << 20), (2, 4, 1000), (1, 2, 300)):
+        splits = default_splits(B, H_kv, S)
+        assert 1 <= splits <= min(MAX_SPLITS, runtime.cdiv(S, MIN_SPLIT))
+        # Enough programs, unless the splits would get shorter than MIN_SPLIT keys or too many.
+        assert B * H_kv * splits >= target or splits in (runtime.cdiv(S, MIN_SPLIT), MAX_SPLITS)
 
 
 def test_is_exported_and_compiles_without_graph_breaks(device):
@@ -115,8 +137,12 @@ def test_bad_options_are_named(device):
     q, k, v, lens = _inputs(device, torch.float32)
     with pytest.raises(ValueError, match="window"):
         decode_attention(q, k, v, lens, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(q, k, v, lens, window=True)
     with pytest.raises(ValueError, match="num_splits"):
         decode_attention(q, k, v, lens, num_splits=MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="scale"):
+        decode_attention(q, k, v, lens, scale=float("nan"))
 
 
 @gpu_only

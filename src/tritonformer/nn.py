@@ -236,7 +236,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask[:, :, :, :key.shape[-2]], scale=scaling,
             enable_gqa=key.shape[1] != query.shape[1])
-    elif (causal and query.shape[2] <= decode.MAX_QUERIES and query.shape[2] < key.shape[-2]
+    elif (causal and 1 <= query.shape[2] <= decode.MAX_QUERIES and query.shape[2] < key.shape[-2]
           and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
         # A decode step against a KV cache: the G query heads of a KV head read its keys once,
         # over splits of the cache (ops/decode_attention.py).

@@ -43,7 +43,7 @@ COMBINE_SPLITS = 16
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_l, stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os,
@@ -52,20 +52,22 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One (sequence, KV head, split): the GROUP x S_Q query rows of the KV head (row r is query
-    head hk * GROUP + r // S_Q, query t = r % S_Q) against keys [split * split_len, + split_len)
-    of the sequence. With SPLITS == 1 it writes the output; otherwise the normalised partial
-    output (fp32) and its base-2 log-sum-exp, for the combine kernel."""
+    """One (sequence, KV head, split, row block): BLOCK_M of the GROUP x S_Q query rows of the KV
+    head (row r is query head hk * GROUP + r // S_Q, query t = r % S_Q) against keys
+    [split * split_len, + split_len) of the sequence. With SPLITS == 1 it writes the output;
+    otherwise the normalised partial output (fp32) and its base-2 log-sum-exp, for the combine
+    kernel."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
+    row_block = tl.program_id(2)
     b = bh // H_kv
     hk = bh % H_kv
     if HAS_LENS:
-        seq_len = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), S_max)
+        seq_len = tl.minimum(tl.load(lens_ptr + b * stride_l).to(tl.int32), S_max)
     else:
         seq_len = S_max
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     group = offs_m // S_Q
     t = offs_m % S_Q
@@ -95,8 +97,9 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        rows_n = offs_n[:, None].to(tl.int64)  # a sequence-major cache's key stride is B x H_kv x D
+        k = tl.load(k_base + rows_n * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows_n * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -162,6 +165,12 @@ _launch_split = runtime.FastLaunch(_decode_split_kernel)
 _launch_combine = runtime.FastLaunch(_decode_combine_kernel)
 
 
+def _block_m(rows: int, D: int) -> int:
+    """Query rows a program: all G x S_q of a KV head up to a register budget (more rows take
+    more row blocks, each reading the split's keys again)."""
+    return max(16, min(runtime.next_power_of_2(rows), 64 if D <= 128 else 32))
+
+
 def _block_n(D: int) -> int:
     if runtime.INTERPRET:
         return 16  # the interpreter's cost is per block op: small blocks keep test caches multi-block
@@ -176,8 +185,15 @@ def default_splits(batch: int, kv_heads: int, s_max: int, device_index: int = 0)
     return max(1, min(want, runtime.cdiv(s_max, MIN_SPLIT), MAX_SPLITS))
 
 
+def _output(q: torch.Tensor) -> torch.Tensor:
+    """(B, H, S_q, D) laid out (B, S_q, H, D): HF's transpose back to (B, S_q, H * D) is a view."""
+    B, H, S_q, D = q.shape
+    return runtime.empty((B, S_q, H, D), q.dtype, q.device).transpose(1, 2)
+
+
 def _fake_decode_attention(q, k_cache, v_cache, seq_lens, scale, window, splits):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    B, H, S_q, D = q.shape
+    return q.new_empty((B, S_q, H, D)).transpose(1, 2)
 
 
 @runtime.custom_op("decode_attention", fake=_fake_decode_attention)
@@ -187,8 +203,9 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """The launches (inputs checked by decode_attention). Planned: a decode step is host-bound."""
     B, H, S_q, D = q.shape
     H_kv, S_max = k_cache.shape[1], k_cache.shape[2]
-    out = runtime.empty((B, H, S_q, D), q.dtype, q.device)
+    out = _output(q)
     group = H // H_kv
+    block_m = _block_m(group * S_q, D)
     split_len = runtime.cdiv(runtime.cdiv(S_max, splits), _block_n(D)) * _block_n(D)
     splits = max(1, runtime.cdiv(S_max, split_len))
     if splits > 1:
@@ -198,10 +215,11 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         part_o = part_lse = out
     lens = seq_lens if seq_lens is not None else out
     consts = dict(S_Q=S_q, GROUP=group, HEAD_D=D, HAS_LENS=seq_lens is not None, WINDOW=window >= 0,
-                  SPLITS=splits, UPCAST=runtime.INTERPRET, INPUT_PRECISION=_input_precision(q.dtype), BLOCK_M=max(16, runtime.next_power_of_2(group * S_q)),
-                  BLOCK_N=_block_n(D), BLOCK_D=runtime.next_power_of_2(D))
-    grid = (B * H_kv, splits)
-    scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride()[:3],
+                  SPLITS=splits, UPCAST=runtime.INTERPRET, INPUT_PRECISION=_input_precision(q.dtype),
+                  BLOCK_M=block_m, BLOCK_N=_block_n(D), BLOCK_D=runtime.next_power_of_2(D))
+    grid = (B * H_kv, splits, runtime.cdiv(group * S_q, block_m))
+    scalars = (lens.stride(0) if seq_lens is not None else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+               *out.stride()[:3],
                H_kv, S_max, split_len, scale * math.log2(math.e), max(window, 0))
     split_entry = _launch_split(grid, q, k_cache, v_cache, lens, out, part_o, part_lse, *scalars,
                                 **consts, num_warps=4)
@@ -218,7 +236,7 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def _replay(split_entry, grid, scalars, splits, combine, q, k_cache, v_cache, seq_lens, scale, window, _splits):
     B, H, S_q, D = q.shape
-    out = runtime.empty((B, H, S_q, D), q.dtype, q.device)
+    out = _output(q)
     if splits > 1:
         part_o = runtime.empty((B * H * S_q * splits, D), torch.float32, q.device)
         part_lse = runtime.empty((B * H * S_q * splits,), torch.float32, q.device)
@@ -241,7 +259,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor | None = None, scale: float | None = None, window: int | None = None,
                      num_splits: int | None = None) -> torch.Tensor:
     """Attention of the last S_q (1..16) tokens of each sequence against its KV cache; see the
-    module doc. seq_lens None: every sequence fills the cache (S_max keys). num_splits overrides
+    module doc. seq_lens None: every sequence fills the cache (S_max keys); a length past S_max
+    counts as S_max, one shorter than S_q leaves the rows before its first key 0. num_splits overrides
     the split count (the tests' knob; default from the cache's shape and the GPU)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check_tensor(name, t, DTYPES)
@@ -268,7 +287,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         runtime.check_tensor("seq_lens", seq_lens, (torch.int32,))
         if seq_lens.shape != (B,):
             raise ValueError(f"decode_attention: seq_lens must have shape ({B},), got {tuple(seq_lens.shape)}")
-    if window is not None and (not isinstance(window, int) or window < 0):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"decode_attention: window must be None or an int >= 0, got {window!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"decode_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
@@ -276,6 +295,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if B == 0 or H == 0 or S_max == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"decode_attention: scale must be a positive finite number, got {scale}")
     device_index = (q.device.index or 0) if q.device.type == "cuda" else 0
     splits = num_splits or default_splits(B, H_kv, S_max, device_index)
     return decode_attention_fwd(q, k_cache, v_cache, seq_lens, scale, -1 if window is None else window, splits)
