@@ -21,7 +21,7 @@ def test_chosen_experts_are_torch_topks(device, scoring, normalize):
     bias = torch.randn(60, device=device) * 0.2 if scoring == "sigmoid" else None
     w, idx = moe_route(z, 6, normalize, scoring, bias)
     ref_w, ref_idx = moe_route_reference(z.double(), 6, normalize, scoring, bias)
-    assert idx.dtype == torch.int32 and torch.equal(idx, ref_idx)
+    assert idx.dtype == torch.int64 and torch.equal(idx, ref_idx)  # int64: what HF's expert modules take
     assert_close(w, ref_w, torch.float32)
     if normalize:
         assert_close(w.sum(-1), torch.ones(29, dtype=torch.float64, device=device), torch.float32)
@@ -36,6 +36,27 @@ def test_selection_bias_moves_the_choice_not_the_weights(device):
     assert_close(w[:, 0], torch.sigmoid(z[:, 7].double()), torch.float32)
 
 
+def test_switched_off_and_nan_scores_never_repeat_an_expert(device):
+    """A -inf bias (an expert switched off) still leaves top_k distinct experts; a NaN score
+    ranks first, as in torch.topk."""
+    z = _distinct_logits(3, 8, device)
+    bias = torch.full((8,), float("-inf"), device=device)
+    bias[2] = 0.0
+    _, idx = moe_route(z, 3, scoring="sigmoid", selection_bias=bias)
+    assert (idx[:, 0] == 2).all() and all(len(set(row)) == 3 for row in idx.tolist())
+    z[1, 6] = float("nan")
+    _, idx = moe_route(z, 3)
+    assert idx[1, 0] == 6 and len(set(idx[1].tolist())) == 3 and (idx < 8).all()
+
+
+def test_mixtral_keeps_float32_weights(device):
+    z = _distinct_logits(5, 8, device, torch.bfloat16)
+    w, idx = moe_route(z, 2, normalize=True, weights_dtype=torch.float32)
+    ref_w, ref_idx = moe_route_reference(z.double(), 2, True)
+    assert w.dtype == torch.float32 and torch.equal(idx, ref_idx)
+    assert_close(w, ref_w, torch.float32)
+
+
 def test_ties_pick_the_lower_expert(device):
     z = torch.zeros(3, 8, device=device)
     z[:, 5] = 1.0
@@ -43,14 +64,14 @@ def test_ties_pick_the_lower_expert(device):
     assert idx.tolist() == [[5, 0, 1]] * 3
 
 
-def test_leading_dims_flatten_and_gradients_reach_a_view(device):
-    base = _distinct_logits(2 * 7, 16, device).reshape(2, 7, 16).requires_grad_()
-    w, idx = moe_route(base * 1.0, 4, normalize=True)
+def test_leading_dims_flatten_and_gradients_reach_a_transposed_input(device):
+    base = _distinct_logits(2 * 7, 16, device).reshape(7, 2, 16).requires_grad_()
+    w, idx = moe_route(base.transpose(0, 1), 4, normalize=True)
     assert w.shape == (14, 4) and idx.shape == (14, 4)
     g = torch.randn_like(w)
     (w * g).sum().backward()
     ref = base.detach().double().requires_grad_()
-    ref_w, _ = moe_route_reference(ref, 4, normalize=True)
+    ref_w, _ = moe_route_reference(ref.transpose(0, 1), 4, normalize=True)
     (ref_w * g.double()).sum().backward()
     assert_close(base.grad, ref.grad, torch.float32)
     assert idx.requires_grad is False
@@ -61,19 +82,28 @@ def test_without_gradient_and_empty(device):
     with torch.no_grad():
         w, idx = moe_route(z.requires_grad_(), 2)
     assert not w.requires_grad
-    w, idx = moe_route(torch.empty(0, 10, device=device), 2)
-    assert w.shape == (0, 2) and idx.shape == (0, 2) and idx.dtype == torch.int32
+    w, idx = moe_route(torch.empty(0, 10, device=device, requires_grad=True), 2, index_dtype=torch.int32)
+    assert w.shape == (0, 2) and idx.shape == (0, 2) and idx.dtype == torch.int32 and w.requires_grad
+
+
+def _grad_of_logits(route, z, dw, **kwargs):
+    z = z.detach().requires_grad_()
+    w, _ = route(z, dw.shape[1], **kwargs)
+    (w * dw).sum().backward()
+    return z.grad
 
 
 def test_replayed_launches_see_each_calls_data(device):
     runtime.clear_plans()
     for _ in range(3):
-        z = _distinct_logits(9, 12, device).requires_grad_()
+        z = _distinct_logits(9, 12, device)
+        dw = torch.randn(9, 3, device=device)
         w, idx = moe_route(z, 3, True)
-        ref_w, ref_idx = moe_route_reference(z.detach().double(), 3, True)
+        ref_w, ref_idx = moe_route_reference(z.double(), 3, True)
         assert torch.equal(idx, ref_idx)
         assert_close(w, ref_w, torch.float32)
-        w.sum().backward()
+        assert_close(_grad_of_logits(moe_route, z, dw, normalize=True),
+                     _grad_of_logits(moe_route_reference, z.double(), dw.double(), normalize=True), torch.float32)
 
 
 def test_is_exported_and_compiles_without_graph_breaks(device):
@@ -84,13 +114,18 @@ def test_is_exported_and_compiles_without_graph_breaks(device):
     ref_w, ref_idx = moe_route_reference(z.detach().double(), 3, True)
     assert torch.equal(idx, ref_idx)
     assert_close(w, ref_w, torch.float32)
-    (w * torch.arange(3.0, device=device)).sum().backward()
-    assert z.grad is not None and z.grad.abs().sum() > 0
+    dw = torch.randn(9, 3, device=device)
+    (w * dw).sum().backward()
+    assert_close(z.grad, _grad_of_logits(moe_route_reference, z.detach().double(), dw.double(), normalize=True),
+                 torch.float32)
 
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda d: moe_route(torch.randn(4, 8, device=d), 9), ValueError, "top_k must be"),
     (lambda d: moe_route(torch.randn(4, 8, device=d), 0), ValueError, "top_k must be"),
+    (lambda d: moe_route(torch.randn(4, 8, device=d), True), ValueError, "top_k must be"),
+    (lambda d: moe_route(torch.randn(4, 8, device=d), 2, index_dtype=torch.int16), TypeError, "index_dtype"),
+    (lambda d: moe_route(torch.randn(4, 8, device=d), 2, weights_dtype=torch.int32), TypeError, "weights_dtype"),
     (lambda d: moe_route(torch.randn(4, 8, device=d), 2, scoring="relu"), ValueError, "scoring"),
     (lambda d: moe_route(torch.randn(4, 8, device=d).double(), 2), TypeError, "router_logits has dtype"),
     (lambda d: moe_route(torch.randn(4, 2000, device=d), 2), ValueError, "2000 experts"),

@@ -43,6 +43,7 @@ def test_cases() -> list[TestCase]:
             case(f"{name}-60x4-norm", dt),
             case(f"{name}-8x2", dt, shape=(2, 9, 8), top_k=2, normalize=False),
             case(f"{name}-sigmoid-bias", dt, shape=(21, 32), top_k=3, scoring="sigmoid", bias=True),
+            case(f"{name}-sigmoid", dt, shape=(11, 16), top_k=2, normalize=False, scoring="sigmoid"),
         ]
     cases += [
         case("fp32-strided", torch.float32, strided=True),

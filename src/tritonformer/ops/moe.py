@@ -5,8 +5,10 @@ backward, in one pass over the router's logits.
     experts = the top_k indices of p (+ selection_bias, where given), largest first
     weights = p[experts], divided by their sum when normalize, cast to z's dtype
 
-as HF's Qwen3-MoE / Mixtral / OLMoE routers (softmax, top-k, optional renormalisation) and, with
-sigmoid and a selection bias, DeepSeek-V3's scoring without its expert groups. The backward
+as HF's Qwen3-MoE and OLMoE routers (softmax, top-k, optional renormalisation, cast back; Mixtral
+always renormalises and keeps float32 weights: weights_dtype=torch.float32) and, with sigmoid and
+a selection bias, DeepSeek-V3's scoring without its expert groups, its 1e-20 in the
+renormalisation or its routed_scaling_factor. The backward
 takes the weights' gradient to z's (the indices have none):
 
     dq = dw (or (dw - sum(dw * w)) / sum(q) when normalize), scattered to the chosen experts: dp
@@ -50,16 +52,20 @@ def _scores(z_ptr, rows, cols, stride_zt, stride_ze, T, E, SIGMOID: tl.constexpr
 
 
 @triton.jit
-def _top_k(p, ok, bias_ptr, cols, E, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _top_k(p, ok, bias_ptr, cols, E, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+           BLOCK_K: tl.constexpr):
     """(q, idx): the TOP_K largest p (by p + bias where given) of each row, largest first, and
-    their columns, as (rows, BLOCK_K) tiles (0 and 0 past TOP_K)."""
+    their columns, as (rows, BLOCK_K) tiles (0 and 0 past TOP_K). Each real column is chosen at
+    most once: a NaN score ranks highest (as in torch.topk), -inf ranks just above the columns
+    already chosen and the padding past E, which are never chosen while top_k <= E."""
     score = p
     if HAS_BIAS:
         score = score + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
+    score = tl.where(score != score, float("inf"), tl.maximum(score, -3.4028234663852886e38))
     score = tl.where(ok, score, -float("inf"))
     slots = tl.arange(0, BLOCK_K)
-    q = tl.zeros((p.shape[0], BLOCK_K), tl.float32)
-    idx = tl.zeros((p.shape[0], BLOCK_K), tl.int32)
+    q = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    idx = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(score, axis=1)
         chosen = cols[None, :] == best[:, None]
@@ -77,7 +83,7 @@ def _route_fwd_kernel(z_ptr, bias_ptr, w_ptr, idx_ptr, T, E, stride_zt, stride_z
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     p, ok = _scores(z_ptr, rows, cols, stride_zt, stride_ze, T, E, SIGMOID)
-    q, idx = _top_k(p, ok, bias_ptr, cols, E, HAS_BIAS, TOP_K, BLOCK_K)
+    q, idx = _top_k(p, ok, bias_ptr, cols, E, HAS_BIAS, TOP_K, BLOCK_T, BLOCK_K)
     if NORMALIZE:
         total = tl.sum(q, axis=1)
         q = q / tl.where(total > 0.0, total, 1.0)[:, None]
@@ -85,7 +91,7 @@ def _route_fwd_kernel(z_ptr, bias_ptr, w_ptr, idx_ptr, T, E, stride_zt, stride_z
     out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     keep = (rows[:, None] < T) & (slots[None, :] < TOP_K)
     tl.store(w_ptr + out, q.to(w_ptr.dtype.element_ty), mask=keep)
-    tl.store(idx_ptr + out, idx, mask=keep)
+    tl.store(idx_ptr + out, idx.to(idx_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -97,7 +103,7 @@ def _route_bwd_kernel(z_ptr, idx_ptr, dw_ptr, dz_ptr, T, E, stride_zt, stride_ze
     slots = tl.arange(0, BLOCK_K)
     p, ok = _scores(z_ptr, rows, cols, stride_zt, stride_ze, T, E, SIGMOID)
     keep = (rows[:, None] < T) & (slots[None, :] < TOP_K)
-    idx = tl.load(idx_ptr + rows[:, None].to(tl.int64) * TOP_K + slots[None, :], mask=keep, other=-1)
+    idx = tl.load(idx_ptr + rows[:, None].to(tl.int64) * TOP_K + slots[None, :], mask=keep, other=-1).to(tl.int32)
     dw = tl.load(dw_ptr + rows[:, None].to(tl.int64) * stride_dwt + slots[None, :] * stride_dwk, mask=keep,
                  other=0.0).to(tl.float32)
     # dp over the experts: each chosen expert's weight gradient (each expert is chosen once a row).
@@ -135,19 +141,19 @@ def _blocks(E: int, top_k: int) -> dict:
                 BLOCK_K=runtime.next_power_of_2(top_k))
 
 
-def _fake_route_fwd(z, bias, top_k, normalize, sigmoid):
+def _fake_route_fwd(z, bias, top_k, normalize, sigmoid, weights_dtype, index_dtype):
     T = z.shape[0]
-    return z.new_empty((T, top_k)), z.new_empty((T, top_k), dtype=torch.int32)
+    return z.new_empty((T, top_k), dtype=weights_dtype), z.new_empty((T, top_k), dtype=index_dtype)
 
 
 @runtime.custom_op("moe_route_fwd", fake=_fake_route_fwd)
 @runtime.planned
-def moe_route_fwd(z: torch.Tensor, bias: torch.Tensor | None, top_k: int, normalize: bool,
-                  sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_fwd(z: torch.Tensor, bias: torch.Tensor | None, top_k: int, normalize: bool, sigmoid: bool,
+                  weights_dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) of the (T, E) logits z (inputs checked by moe_route)."""
     T, E = z.shape
-    w = runtime.empty((T, top_k), z.dtype, z.device)
-    idx = runtime.empty((T, top_k), torch.int32, z.device)
+    w = runtime.empty((T, top_k), weights_dtype, z.device)
+    idx = runtime.empty((T, top_k), index_dtype, z.device)
     consts = dict(SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=normalize, TOP_K=top_k, **_blocks(E, top_k))
     grid = (runtime.cdiv(T, consts["BLOCK_T"]),)
     scalars = (T, E, *z.stride())
@@ -157,9 +163,9 @@ def moe_route_fwd(z: torch.Tensor, bias: torch.Tensor | None, top_k: int, normal
     return w, idx
 
 
-def _replay_fwd(entry, grid, scalars, z, bias, top_k, normalize, sigmoid):
-    w = runtime.empty((z.shape[0], top_k), z.dtype, z.device)
-    idx = runtime.empty((z.shape[0], top_k), torch.int32, z.device)
+def _replay_fwd(entry, grid, scalars, z, bias, top_k, normalize, sigmoid, weights_dtype, index_dtype):
+    w = runtime.empty((z.shape[0], top_k), weights_dtype, z.device)
+    idx = runtime.empty((z.shape[0], top_k), index_dtype, z.device)
     _launch_fwd.replay(entry, grid, z, bias if bias is not None else z, w, idx, *scalars)
     return w, idx
 
@@ -193,8 +199,8 @@ def _replay_bwd(entry, grid, scalars, z, idx, dw, normalize, sigmoid):
 
 class MoERouteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, bias, top_k, normalize, sigmoid):
-        w, idx = moe_route_fwd(z, bias, top_k, normalize, sigmoid)
+    def forward(ctx, z, bias, top_k, normalize, sigmoid, weights_dtype, index_dtype):
+        w, idx = moe_route_fwd(z, bias, top_k, normalize, sigmoid, weights_dtype, index_dtype)
         ctx.save_for_backward(z, idx)
         ctx.normalize, ctx.sigmoid = normalize, sigmoid
         ctx.mark_non_differentiable(idx)
@@ -204,23 +210,31 @@ class MoERouteFunction(torch.autograd.Function):
     def backward(ctx, dw, _didx):
         z, idx = ctx.saved_tensors
         if dw is None:
-            return None, None, None, None, None
-        return moe_route_bwd(z, idx, dw, ctx.normalize, ctx.sigmoid), None, None, None, None
+            return (None,) * 7
+        return moe_route_bwd(z, idx, dw, ctx.normalize, ctx.sigmoid), *(None,) * 6
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool = False, scoring: str = "softmax",
-              selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (T, top_k) in the logits' dtype, experts (T, top_k) int32) of router logits
-    (..., E), flattened to T rows; see the module doc. The weights carry the logits' gradient;
-    selection_bias (E,) moves the choice only (DeepSeek-V3's load balancing), never the weights."""
+              selection_bias: torch.Tensor | None = None, weights_dtype: torch.dtype | None = None,
+              index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, top_k), experts (T, top_k)) of router logits (..., E), flattened to T rows;
+    see the module doc. The weights carry the logits' gradient, in weights_dtype (default: the
+    logits' dtype, as Qwen3-MoE and OLMoE cast them; Mixtral keeps float32); the experts are
+    int64 as HF's expert modules take them (or int32). selection_bias (E,) moves the choice
+    only (DeepSeek-V3's load balancing), never the weights."""
     runtime.check_tensor("router_logits", router_logits, runtime.FLOAT_DTYPES, min_dim=1)
     E = router_logits.shape[-1]
     if scoring not in SCORINGS:
         raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"moe_route: {E} experts; it takes 1 to {MAX_EXPERTS}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= min(E, MAX_TOP_K):
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(E, MAX_TOP_K):
         raise ValueError(f"moe_route: top_k must be an int in [1, {min(E, MAX_TOP_K)}], got {top_k!r}")
+    weights_dtype = router_logits.dtype if weights_dtype is None else weights_dtype
+    if weights_dtype not in runtime.FLOAT_DTYPES:
+        raise TypeError(f"moe_route: weights_dtype must be one of {runtime.FLOAT_DTYPES}, got {weights_dtype}")
+    if index_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"moe_route: index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
     if selection_bias is not None:
         runtime.check_tensor("selection_bias", selection_bias, runtime.FLOAT_DTYPES)
         runtime.check_same_device(router_logits=router_logits, selection_bias=selection_bias)
@@ -230,14 +244,16 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool = False, 
         selection_bias = selection_bias.contiguous()
     z = router_logits.reshape(-1, E)
     sigmoid = scoring == "sigmoid"
+    grad = torch.is_grad_enabled() and z.requires_grad
     if z.shape[0] == 0:
-        return z.new_empty((0, top_k)), torch.empty((0, top_k), dtype=torch.int32, device=z.device)
-    if torch.is_grad_enabled() and z.requires_grad:
-        return runtime.apply(MoERouteFunction, z, selection_bias, top_k, bool(normalize), sigmoid)
-    return moe_route_fwd(z, selection_bias, top_k, bool(normalize), sigmoid)
+        empty = z[:, :1].to(weights_dtype).expand(0, top_k)  # keeps the graph when z needs a gradient
+        return empty if grad else empty.detach(), torch.empty((0, top_k), dtype=index_dtype, device=z.device)
+    args = (z, selection_bias, top_k, bool(normalize), sigmoid, weights_dtype, index_dtype)
+    return runtime.apply(MoERouteFunction, *args) if grad else moe_route_fwd(*args)
 
 
-def moe_route_reference(router_logits, top_k, normalize=False, scoring="softmax", selection_bias=None):
+def moe_route_reference(router_logits, top_k, normalize=False, scoring="softmax", selection_bias=None,
+                        weights_dtype=None, index_dtype=torch.int64):
     """HF's router in torch: scores in float32, torch.topk, renormalised, cast back."""
     z = router_logits.reshape(-1, router_logits.shape[-1])
     wide = z.to(torch.promote_types(z.dtype, torch.float32))
@@ -247,4 +263,4 @@ def moe_route_reference(router_logits, top_k, normalize=False, scoring="softmax"
     w = p.gather(1, idx)
     if normalize:
         w = w / w.sum(dim=-1, keepdim=True)
-    return w.to(z.dtype), idx.to(torch.int32)
+    return w.to(z.dtype if weights_dtype is None else weights_dtype), idx.to(index_dtype)
