@@ -164,6 +164,14 @@ def test_a_step_that_cannot_be_captured_says_why_once_and_leaves_no_gradients(st
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_cpu_tensor_beside_device_tensors_is_refused(stand_in, monkeypatch):
+    monkeypatch.setattr(stand_in, "supports", staticmethod(lambda device: device.type == "meta"))
+    captured = capture_step(lambda x, table: x)
+    with pytest.raises(CaptureError, match="another device"):
+        captured(torch.empty(2, device="meta"), torch.ones(3))
+    captured(torch.empty(2, device="meta"), torch.tensor(1.0))  # a 0-dim one is a number: keyed by value
+
+
 def test_a_host_scalar_argument_is_keyed_by_its_value(stand_in):
     model = torch.nn.Linear(8, 1)
     captured = capture_step(lambda x, scale: model(x).sum() * scale)
@@ -213,8 +221,9 @@ def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=64)
     model = hf.patch(transformers.AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 5)) if scheduler else None
+    # Learning rates exact in float32: the captured step reads a float32 tensor, eager a double.
+    opt = torch.optim.AdamW(model.parameters(), lr=2**-10, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4)) if scheduler else None
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -278,6 +287,12 @@ assert torch.cuda.current_stream() == torch.cuda.default_stream()
 assert not torch.cuda.is_current_stream_capturing()
 assert torch.randn(4, device="cuda").isfinite().all()
 assert torch.equal(model.weight @ torch.eye(16, device="cuda"), model.weight)
+# The allocator left the failed graph's pool: freed memory goes back to the device.
+big = torch.empty(1 << 28, device="cuda")
+reserved = torch.cuda.memory_reserved()
+del big
+torch.cuda.empty_cache()
+assert torch.cuda.memory_reserved() <= reserved - (1 << 30)
 # The graph captured before the failure replays, and manual_seed still reaches it.
 torch.manual_seed(0)
 first = sampled(x)

@@ -44,6 +44,7 @@ import contextlib
 import functools
 import gc
 import numbers
+import warnings
 from typing import Callable
 
 import torch
@@ -87,20 +88,32 @@ class _CudaGraph:
             gc.collect()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(torch.cuda.Stream()):
-                self.graph.capture_begin(pool=pool)
                 try:
+                    self.graph.capture_begin(pool=pool)
                     self.outputs = fn(*args, **kwargs)
                     self.graph.capture_end()
                 except BaseException:
-                    if torch.cuda.is_current_stream_capturing():
-                        with contextlib.suppress(Exception):
-                            self.graph.capture_end()
-                    _end_generator_capture()
+                    _abandon_capture(self.graph, pool)
                     raise
 
     def replay(self):
         self.graph.replay()
         return self.outputs
+
+
+def _abandon_capture(graph: torch.cuda.CUDAGraph, pool) -> None:
+    """Leave the device as a failed capture found it: the capture ended (capture_end raises at
+    the stream's end of capture before it lets the allocator go), the allocator out of the
+    graph's pool, the random generator out of capture mode."""
+    if torch.cuda.is_current_stream_capturing():
+        with contextlib.suppress(Exception):
+            graph.capture_end()
+    with contextlib.suppress(Exception):  # raises where capture_end got that far itself
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    try:
+        _end_generator_capture()
+    except Exception as error:  # the capture's own error is the one to report
+        warnings.warn(f"capture_step: the random generator may still be in capture mode: {error}", stacklevel=3)
 
 
 def _end_generator_capture() -> None:
@@ -141,7 +154,7 @@ class CapturedStep:
         self._warmed: set[tuple] = set()
         self._optimizers: list[torch.optim.Optimizer] = []
         self._fixed: dict[int, list[tuple]] = {}  # index in _optimizers -> its numbers at capture
-        self._failed: dict[tuple, CaptureError] = {}
+        self._failed: dict[tuple, str] = {}  # layout -> why its capture failed (a message: no frames kept)
         self._pool = None
 
     def __call__(self, *args, **kwargs):
@@ -152,9 +165,13 @@ class CapturedStep:
                 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return pytree.tree_map(_detached_copy, self.fn(*args, **kwargs))
         self._check_hyperparameters()
+        if any(t.device != device for t in tensors):
+            raise CaptureError("capture_step: tensor arguments on another device than the first (a CPU tensor of more "
+                               "than one element is read at capture, never again): move them to "
+                               f"{device} or pass numbers")
         key = self._layout(spec, leaves)
         if key in self._failed:
-            raise self._failed[key]
+            raise CaptureError(self._failed[key])
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self._warmed:
@@ -215,11 +232,11 @@ class CapturedStep:
         except Exception as error:
             for p in params:  # gradients the failed capture assigned were never written
                 p.grad = None
-            self._failed[key] = CaptureError(
+            self._failed[key] = (
                 "capture_step: the step cannot be captured as a CUDA graph (a host synchronisation such as "
                 ".item() or printing a tensor, a CPU tensor copied to the GPU, a shape that depends on data, "
                 f"or an optimizer that cannot be captured): {type(error).__name__}: {error}")
-            raise self._failed[key] from error
+            raise CaptureError(self._failed[key]) from error
         for i, opt in enumerate(self._optimizers):
             self._fixed.setdefault(i, _hyperparameters(opt))
         entry = (graph, [x for x in static if isinstance(x, torch.Tensor) and not _is_host_scalar(x)])
@@ -262,8 +279,8 @@ def _check_capturable(opt: torch.optim.Optimizer) -> None:
 
 
 def _make_capturable(opt: torch.optim.Optimizer) -> None:
-    """capturable=True where `opt` has the option, its step counts on the parameters' device and
-    its learning rates 0-dim tensors there (filled in place by LR schedulers)."""
+    """capturable=True where `opt` has the option, its state (step counts) on the parameters'
+    device and its learning rates 0-dim tensors there (filled in place by LR schedulers)."""
     for group in opt.param_groups:
         if "capturable" not in group or not group["params"] or group["params"][0].device.type != "cuda":
             continue
@@ -273,9 +290,10 @@ def _make_capturable(opt: torch.optim.Optimizer) -> None:
         if not isinstance(lr, torch.Tensor) or lr.device != device:
             group["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(device)
         for p in group["params"]:
-            step = opt.state.get(p, {}).get("step")
-            if isinstance(step, torch.Tensor) and step.device != p.device:
-                opt.state[p]["step"] = step.to(p.device)
+            state = opt.state.get(p, {})
+            for name, value in state.items():  # step, and NAdam's mu_product
+                if isinstance(value, torch.Tensor) and value.device != p.device:
+                    state[name] = value.to(p.device)
 
 
 def capture_step(fn: Callable | None = None, *, max_graphs: int = 16):
