@@ -399,6 +399,12 @@ def tf32_switch(*args) -> bool:
     return torch._C._get_cublas_allow_tf32()
 
 
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of `dtype`: float32 products on tf32 tensor cores
+    exactly when torch's matmul would use them (16-bit operands ignore it)."""
+    return "ieee" if dtype == torch.float32 and not tf32_switch() else "tf32"
+
+
 _PLANNING = contextvars.ContextVar("tritonformer_planning", default=None)
 
 

@@ -625,12 +625,6 @@ def _attention_bwd_dq_kernel(
     tl.store(dq_ptr + dq_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dict:
     D = q.shape[-1]
     return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen,
@@ -638,7 +632,7 @@ def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dic
                 # Causal: two programs per SM in a head group (see _grouped_block); otherwise
                 # every block costs the same and one head at a time keeps the most in L2.
                 GROUP_PROGRAMS=2 * runtime.num_sms(q.device.index or 0) if causal else 1,
-                INPUT_PRECISION=_input_precision(q.dtype), BLOCK_D=max(16, runtime.next_power_of_2(D)))
+                INPUT_PRECISION=runtime.input_precision(q.dtype), BLOCK_D=max(16, runtime.next_power_of_2(D)))
 
 
 def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool) -> tuple:

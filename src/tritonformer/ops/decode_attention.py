@@ -191,6 +191,18 @@ def _output(q: torch.Tensor) -> torch.Tensor:
     return runtime.empty((B, S_q, H, D), q.dtype, q.device).transpose(1, 2)
 
 
+def _buffers(q: torch.Tensor, seq_lens: torch.Tensor | None, splits: int) -> tuple:
+    """(out, partial outputs, partial log-sum-exps, lengths) as the split kernel takes them: with
+    one split, or without lengths, `out` stands in for the pointers the kernel then never reads."""
+    B, H, S_q, D = q.shape
+    out = _output(q)
+    part_o = part_lse = out
+    if splits > 1:
+        part_o = runtime.empty((B * H * S_q * splits, D), torch.float32, q.device)
+        part_lse = runtime.empty((B * H * S_q * splits,), torch.float32, q.device)
+    return out, part_o, part_lse, seq_lens if seq_lens is not None else out
+
+
 def _fake_decode_attention(q, k_cache, v_cache, seq_lens, scale, window, splits):
     B, H, S_q, D = q.shape
     return q.new_empty((B, S_q, H, D)).transpose(1, 2)
@@ -203,19 +215,13 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """The launches (inputs checked by decode_attention). Planned: a decode step is host-bound."""
     B, H, S_q, D = q.shape
     H_kv, S_max = k_cache.shape[1], k_cache.shape[2]
-    out = _output(q)
     group = H // H_kv
     block_m = _block_m(group * S_q, D)
     split_len = runtime.cdiv(runtime.cdiv(S_max, splits), _block_n(D)) * _block_n(D)
     splits = max(1, runtime.cdiv(S_max, split_len))
-    if splits > 1:
-        part_o = runtime.empty((B * H * S_q * splits, D), torch.float32, q.device)
-        part_lse = runtime.empty((B * H * S_q * splits,), torch.float32, q.device)
-    else:
-        part_o = part_lse = out
-    lens = seq_lens if seq_lens is not None else out
+    out, part_o, part_lse, lens = _buffers(q, seq_lens, splits)
     consts = dict(S_Q=S_q, GROUP=group, HEAD_D=D, HAS_LENS=seq_lens is not None, WINDOW=window >= 0,
-                  SPLITS=splits, UPCAST=runtime.INTERPRET, INPUT_PRECISION=_input_precision(q.dtype),
+                  SPLITS=splits, UPCAST=runtime.INTERPRET, INPUT_PRECISION=runtime.input_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=_block_n(D), BLOCK_D=runtime.next_power_of_2(D))
     grid = (B * H_kv, splits, runtime.cdiv(group * S_q, block_m))
     scalars = (lens.stride(0) if seq_lens is not None else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -235,24 +241,12 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def _replay(split_entry, grid, scalars, splits, combine, q, k_cache, v_cache, seq_lens, scale, window, _splits):
-    B, H, S_q, D = q.shape
-    out = _output(q)
-    if splits > 1:
-        part_o = runtime.empty((B * H * S_q * splits, D), torch.float32, q.device)
-        part_lse = runtime.empty((B * H * S_q * splits,), torch.float32, q.device)
-    else:
-        part_o = part_lse = out
-    lens = seq_lens if seq_lens is not None else out
+    out, part_o, part_lse, lens = _buffers(q, seq_lens, splits)
     _launch_split.replay(split_entry, grid, q, k_cache, v_cache, lens, out, part_o, part_lse, *scalars)
     if combine is not None:
         entry, combine_grid, combine_scalars = combine
         _launch_combine.replay(entry, combine_grid, part_o, part_lse, out, *combine_scalars)
     return out
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 products on tensor cores exactly when torch's matmul would (attention.py does the same).
-    return "tf32" if dtype == torch.float32 and runtime.tf32_switch() else "ieee"
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

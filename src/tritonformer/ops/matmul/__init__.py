@@ -247,12 +247,6 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
     return SCALE_TENSOR if scale.numel() == 1 else SCALE_VECTOR
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 _launch_matmul = runtime.TunedLauncher(_matmul_kernel)
 
 
@@ -319,7 +313,7 @@ def launch_strided(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M:
     constexprs = dict(
         A_TRANS=a_trans, B_TRANS=b_trans, SPLIT_K=split_k, HAS_BIAS=bias is not None, ACTIVATION=activation,
         SCALE_A=scale_a_mode, SCALE_B=scale_b_mode, STORE_PRE=pre is not None,
-        UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=_input_precision(a.dtype),
+        UPCAST=runtime.INTERPRET and a.dtype == torch.bfloat16, INPUT_PRECISION=runtime.input_precision(a.dtype),
         POINTER_LOADS=pointer_loads,
     )
     main = _launch_matmul(
