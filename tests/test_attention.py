@@ -5,6 +5,8 @@ import torch
 
 import tritonformer as tf
 import tritonformer.nn  # noqa: F401 - tf.nn below
+from tritonformer import runtime
+from tritonformer.ops import attention as attention_ops
 from tritonformer.ops.attention import attention_reference
 from tritonformer.testing import assert_close
 
@@ -115,6 +117,34 @@ def test_gqa_kv_gradients_sum_over_the_group(device):
     ref = _grads(lambda *t: attention_reference(*t, causal=True), _double_leaves(q, k, v), do.double())
     for g, r in zip(grads, ref):
         assert_close(g, r, torch.float32, compare="norm")
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_gqa_kv_gradients_cut_into_parts_of_the_group(device, monkeypatch, parts):
+    """7 query heads a kv head, as Qwen2.5-0.5B has, summed in one program or in runs of 4 + 3,
+    3 + 3 + 1 or 1 each; a second call replays the planned launches with new data."""
+    monkeypatch.setattr(attention_ops, "_dkdv_parts", lambda lay, device: parts)
+    for _ in range(2):
+        q, k, v = _qkv(device, B=2, H=14, H_kv=2, S_q=40, S_k=40)
+        do = torch.randn_like(q)
+        grads = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
+        ref = _grads(lambda *t: attention_reference(*t, causal=True), _double_leaves(q, k, v), do.double())
+        for g, r in zip(grads, ref):
+            assert_close(g, r, torch.float32, compare="norm")
+
+
+def test_gqa_parts_fill_the_gpu_only_when_kv_heads_are_too_few(monkeypatch):
+    monkeypatch.setattr(runtime, "num_sms", lambda index=0: 132)
+
+    def parts(B, H, H_kv, S):
+        q, k = torch.empty(B, H, S, 64, device="meta"), torch.empty(B, H_kv, S, 64, device="meta")
+        return attention_ops._dkdv_parts(attention_ops._Layout(q, k, None, 0, 0), torch.device("meta"))
+
+    assert parts(4, 14, 2, 2048) == 2  # Qwen2.5-0.5B: 256 programs of 64 keys, runs of 4 and 3 heads
+    assert parts(4, 9, 3, 2048) == 1  # SmolLM2-135M: 384 programs
+    assert parts(4, 32, 8, 4096) == 1
+    assert parts(4, 16, 16, 2048) == 1  # no group to cut
+    assert parts(1, 32, 1, 1024) == 16  # MQA: 16 programs, runs of 2 heads
 
 
 def test_outputs_and_gradients_keep_the_bshd_layout_of_hf_projections(device):
@@ -308,9 +338,11 @@ def _packed(device, lens_q, lens_k, H=4, H_kv=2, D=32, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 6)])
-def test_varlen_equals_padded_calls_per_sequence(causal, window, dtype, device):
+def test_varlen_equals_padded_calls_per_sequence(causal, window, dtype, device, monkeypatch):
     # The same kernels on the same blocks (offsets from each sequence's start): bit for bit,
-    # output, lse and all three gradients (with a gradient of lse too).
+    # output, lse and all three gradients (with a gradient of lse too). The dK/dV kernel's split
+    # of a head group into parts depends on the batch: one part in both, the same order of sums.
+    monkeypatch.setattr(attention_ops, "_dkdv_parts", lambda lay, device: 1)
     lens_q, lens_k = [18, 1, 0, 5, 33], [20, 1, 3, 0, 17]
     (q, k, v), kw = _packed(device, lens_q, lens_k, dtype=dtype)
     o, lse = tf.attention(q, k, v, causal=causal, window=window, return_lse=True, **kw)

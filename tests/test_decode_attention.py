@@ -30,7 +30,9 @@ def test_ragged_batch_matches_the_reference(device, dtype, splits):
     out = decode_attention(q, k, v, lens, num_splits=splits)
     assert out.shape == q.shape and out.dtype == dtype
     assert out.transpose(1, 2).is_contiguous()  # laid out (B, S_q, H, D), as HF reshapes it
-    assert_close(out, decode_attention_reference(q, k, v, lens), dtype)
+    # 16-bit P enters the P.V dot rounded, as in attention: a reduction, compared norm-wise.
+    assert_close(out, decode_attention_reference(q, k, v, lens), dtype,
+                 "elementwise" if dtype == torch.float32 else "norm")
 
 
 @pytest.mark.parametrize("S_q", [1, 4, 16])
@@ -151,7 +153,7 @@ def test_long_cache_in_bf16_on_the_gpu(D):
     q, k, v, lens = _inputs("cuda", torch.bfloat16, B=4, H=32, H_kv=8, S_q=1, S_max=8192, D=D,
                             lens=[8192, 5000, 1, 777])
     out = decode_attention(q, k, v, lens)
-    assert_close(out, decode_attention_reference(q, k, v, lens), torch.bfloat16)
+    assert_close(out, decode_attention_reference(q, k, v, lens), torch.bfloat16, "norm")
 
 
 @gpu_only
@@ -164,4 +166,4 @@ def test_a_cache_past_2_to_the_31_elements():
     lens = torch.tensor([1, 3, 1, 2, 100], dtype=torch.int32, device="cuda")
     assert k[B - 1].storage_offset() >= 2**31
     out = decode_attention(q, k, v, lens)
-    assert_close(out, decode_attention_reference(q, k, v, lens), torch.bfloat16)
+    assert_close(out, decode_attention_reference(q, k, v, lens), torch.bfloat16, "norm")

@@ -245,7 +245,7 @@ def decode_bench_cases() -> list[BenchCase]:
         cache_bytes = 2 * B * kv_heads * S * D * dtype.itemsize
         cases.append(BenchCase("decode_attention", "fwd", dtype, f"B{B}xS{S}xH{heads}/{kv_heads}xD{D}", B * S, setup,
                                bytes=cache_bytes + 2 * B * heads * D * dtype.itemsize, plot="decode bf16",
-                               quick=runtime.INTERPRET))
+                               quick=runtime.INTERPRET or (B, S) == grid[0]))
     return cases
 
 

@@ -30,6 +30,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
 NO_WINDOW = -1
+# The dK/dV kernel cuts a kv head's query heads into parts when its grid has fewer than about this
+# many programs per SM, counted with 64-key blocks (_dkdv_parts); SUM_PARTS_BLOCK elements a
+# program when the parts are added up.
+DKDV_PARTS_PROGRAMS_PER_SM = 2
+DKDV_PARTS_BLOCK_N = 64
+SUM_PARTS_BLOCK = 1024
 
 
 def _config(bm, bn, warps, stages):
@@ -393,10 +399,13 @@ def _grouped_block(n_blocks, GROUP_PROGRAMS: tl.constexpr):
     heads' K/V (or Q/dO) in L2; within a group all its heads' blocks of one rank run before the
     next rank's, so that a causal grid that maps rank 0 to its longest blocks starts them all
     first and ends on short ones (a tail of one head's long blocks is what a head-major order
-    leaves)."""
+    leaves). GROUP_PROGRAMS 0 puts all heads in one group."""
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) // n_blocks
-    heads_per_group = tl.maximum(GROUP_PROGRAMS // n_blocks, 1)
+    if GROUP_PROGRAMS == 0:  # one group: every head's blocks of rank 0 first
+        heads_per_group = n_heads
+    else:
+        heads_per_group = tl.maximum(GROUP_PROGRAMS // n_blocks, 1)
     per_group = heads_per_group * n_blocks
     group = pid // per_group
     first = group * heads_per_group
@@ -495,21 +504,29 @@ def _attention_bwd_dkdv_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dkb, stride_dkh, stride_dks, stride_lb, stride_lh,
-    H, H_kv, S_q, S_k, sm_scale, window_left,
+    stride_dkb, stride_dkh, stride_dks, stride_dkp, stride_lb, stride_lh,
+    H, H_kv, S_q, S_k, sm_scale, window_left, PARTS,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
     the query blocks of the band. Works on transposed scores (keys along rows). dK and dV share
-    the strides stride_dk*. With DESCRIPTORS, Q and dO blocks come through tensor descriptors."""
+    the strides stride_dk*. With PARTS > 1 the group's heads are cut into PARTS runs of
+    consecutive heads, one program each, and a run's sums go to its own float32 part
+    (dk_ptr + part * stride_dkp) for _sum_parts_kernel to add up. With DESCRIPTORS, Q and dO
+    blocks come through tensor descriptors."""
     # Causal: the first key blocks see the most queries; they start first.
-    rank, bhk = _grouped_block(tl.cdiv(S_k, BLOCK_N), GROUP_PROGRAMS)
+    rank, bhkp = _grouped_block(tl.cdiv(S_k, BLOCK_N), GROUP_PROGRAMS)
     start_n = rank * BLOCK_N
+    part = bhkp % PARTS
+    bhk = bhkp // PARTS
     b = (bhk // H_kv).to(tl.int64)
     hk = (bhk % H_kv).to(tl.int64)
     group = H // H_kv
+    per_part = tl.cdiv(group, PARTS)
+    first_head = part * per_part
+    last_head = tl.minimum(first_head + per_part, group)
     q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
     if VARLEN:
         if start_n >= len_k:
@@ -534,7 +551,7 @@ def _attention_bwd_dkdv_kernel(
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for g in range(0, group):
+    for g in range(first_head, last_head):
         h = hk * group + g
         q_src = _stream_source(q_ptr, b, h, q_start, stride_qb, stride_qh, stride_qs, DESCRIPTORS)
         do_src = _stream_source(do_ptr, b, h, q_start, stride_dob, stride_doh, stride_dos, DESCRIPTORS)
@@ -556,10 +573,29 @@ def _attention_bwd_dkdv_kernel(
                               mid_hi, hi, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
                               DESCRIPTORS)
 
-    out_offs = b * stride_dkb + hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :]
+    out_offs = (part.to(tl.int64) * stride_dkp + b * stride_dkb + hk * stride_dkh
+                + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :])
     kv_mask = (offs_n[:, None] < len_k) & (offs_d[None, :] < HEAD_D)
     tl.store(dk_ptr + out_offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _sum_parts_kernel(parts_ptr, dk_ptr, dv_ptr, N, PARTS, BLOCK: tl.constexpr):
+    """dK (program_id(1) 0) and dV (1): element i of their storage is the sum over p, in order,
+    of the float32 parts[program_id(1), p, i], stored in their dtype."""
+    which = tl.program_id(1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    n = tl.full((), N, tl.int64)
+    src = parts_ptr + which.to(tl.int64) * PARTS * n + offs
+    acc = tl.load(src, mask=mask, other=0.0)
+    for p in range(1, PARTS):
+        acc += tl.load(src + p * n, mask=mask, other=0.0)
+    if which == 0:
+        tl.store(dk_ptr + offs, acc.to(dk_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dv_ptr + offs, acc.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 @runtime.autotune(configs=_dq_configs(), prune_configs_by={"early_config_prune": _prune_dq})
@@ -750,9 +786,36 @@ def _empty_as(t: torch.Tensor) -> torch.Tensor:
     return out if out.stride(-1) == 1 else runtime.empty(t.shape, t.dtype, t.device)
 
 
+def _dkdv_parts(lay: "_Layout", device: torch.device) -> int:
+    """How many programs share out a kv head's query heads in the dK/dV kernel. Its grid has one
+    program per key block and kv head; with few kv heads that is too few programs to balance a
+    causal band (docs/attention.md, "GQA backward"). Runs of equal length, at most the group."""
+    group = lay.H // lay.H_kv
+    programs = runtime.cdiv(lay.S_k, DKDV_PARTS_BLOCK_N) * lay.B * lay.H_kv
+    wanted = min(group, runtime.cdiv(DKDV_PARTS_PROGRAMS_PER_SM * runtime.num_sms(device.index or 0), programs))
+    return runtime.cdiv(group, runtime.cdiv(group, wanted))
+
+
+def _dkdv_outputs(k: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dk, dv, where the dK/dV kernel writes dk, where it writes dv): the outputs themselves, or
+    with several parts two runs of `parts` float32 copies of them in the stream's workspace."""
+    dk, dv = _empty_as(k), _empty_as(k)
+    if parts == 1:
+        return dk, dv, dk, dv
+    scratch = runtime.workspace(k.device, 2 * parts * dk.numel())[: 2 * parts * dk.numel()].view(2, -1)
+    return dk, dv, scratch[0], scratch[1]
+
+
+def _sum_parts(dk: torch.Tensor, dv: torch.Tensor, dk_parts: torch.Tensor, parts: int):
+    """Launch _sum_parts_kernel (dk and dv dense, as _empty_as makes them); its entry and grid."""
+    grid = (runtime.cdiv(dk.numel(), SUM_PARTS_BLOCK), 2)
+    return _launch_sum_parts(grid, dk_parts, dk, dv, dk.numel(), parts, BLOCK=SUM_PARTS_BLOCK, num_warps=4), grid
+
+
 _launch_fwd = runtime.TunedLauncher(_attention_fwd_kernel)
 _launch_dkdv = runtime.TunedLauncher(_attention_bwd_dkdv_kernel)
 _launch_dq = runtime.TunedLauncher(_attention_bwd_dq_kernel)
+_launch_sum_parts = runtime.FastLaunch(_sum_parts_kernel)
 
 
 def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -815,7 +878,9 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
+    parts = _dkdv_parts(lay, q.device)
+    dq = _empty_as(q)
+    dk, dv, dk_out, dv_out = _dkdv_outputs(k, parts)
     if dq.numel() == 0 or dk.numel() == 0 or lay.S_q == 0 or lay.S_k == 0:
         dq.zero_()
         dk.zero_()
@@ -828,33 +893,42 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
     lse_strides = lay.lse_strides(lse)
     q_shape, kv_shape = (lay.B, lay.H, lay.S_q, lay.D), (lay.B, lay.H_kv, lay.S_k, lay.D)
-    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk_out, dv_out, cu_seqlens_q,
+                                            cu_seqlens_k)
     # dQ first: it writes the delta that the dK/dV kernel reads.
     dq_scalars = (*strides, *lay.strides(o)[:3], *lay.strides(dq)[:3], *lse_strides, *scalars)
     dq_args = (*dq_tensors, *dq_scalars)
     dq_replay = _launch(_launch_dq, key, lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,),
                         dq_args, dict(consts, HAS_DLSE=dlse is not None),
                         ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "dq", k, v) else None)
-    dkdv_scalars = (*strides, *lay.strides(dk)[:3], *lse_strides, *scalars)
+    dkdv_scalars = (*strides, *lay.strides(dk)[:3], dk.numel(), *lse_strides, *scalars, parts)
     dkdv_args = (*dkdv_tensors, *dkdv_scalars)
     dkdv_replay = _launch(_launch_dkdv, key,
-                          lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv,), dkdv_args,
-                          consts,
+                          lambda meta: (runtime.cdiv(lay.S_k, meta["BLOCK_N"]) * lay.B * lay.H_kv * parts,),
+                          # Few programs (why there are parts): the longest blocks of every head first.
+                          dkdv_args, dict(consts, GROUP_PROGRAMS=0) if parts > 1 else consts,
                           ((0, 3), (q_shape, q_shape), "BLOCK_M") if _descriptors_fit(lay, "dkdv", q, do) else None)
-    if dq_replay is not None and dkdv_replay is not None:
-        runtime.keep_plan(functools.partial(_replay_bwd, dq_scalars, dq_replay, dkdv_scalars, dkdv_replay))
+    sums = _sum_parts(dk, dv, dk_out, parts) if parts > 1 else None
+    if dq_replay is not None and dkdv_replay is not None and (sums is None or sums[0] is not None):
+        runtime.keep_plan(functools.partial(_replay_bwd, dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, parts,
+                                            sums))
     return dq, dk, dv
 
 
-def _replay_bwd(dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, do, dlse, q, k, v, o, lse, causal, scale, window,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+def _replay_bwd(dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, parts, sums, do, dlse, q, k, v, o, lse, causal,
+                scale, window, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
-    dq, dk, dv = _empty_as(q), _empty_as(k), _empty_as(k)
+    dq = _empty_as(q)
+    dk, dv, dk_out, dv_out = _dkdv_outputs(k, parts)
     delta = runtime.empty(lse.shape, torch.float32, q.device)
-    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)
+    dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk_out, dv_out, cu_seqlens_q,
+                                            cu_seqlens_k)
     dq_replay((*dq_tensors, *dq_scalars))
     dkdv_replay((*dkdv_tensors, *dkdv_scalars))
+    if sums is not None:
+        entry, grid = sums
+        _launch_sum_parts.replay(entry, grid, dk_out, dk, dv, dk.numel(), parts)
     return dq, dk, dv
 
 
