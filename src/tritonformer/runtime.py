@@ -803,7 +803,8 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 def workspace(device: torch.device, count: int) -> torch.Tensor:
     """At least `count` float32 elements for a kernel that writes and reads them within one
-    launch (split-K's partial sums), kept from call to call: an allocation costs about 7 us of
+    launch (split-K's partial sums), or for the launch right after it on the same stream
+    (attention's dK/dV parts), kept from call to call: an allocation costs about 7 us of
     host time on the H100 machine, as much as a small product's GPU time."""
     return _stream_buffer("workspace", device, count, lambda n: torch.empty(n, dtype=torch.float32, device=device))
 
