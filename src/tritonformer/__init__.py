@@ -8,6 +8,7 @@ from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.decode_attention import decode_attention
 from .ops.matmul import matmul
+from .ops.grouped_mm import grouped_mm
 from .ops.moe import moe_route
 from .ops.norm import add_rms_norm, layer_norm, rms_norm
 from .ops.rope import apply_rope, qkv_rope
@@ -16,4 +17,4 @@ from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "layer_norm", "matmul", "moe_route", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]
+__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "grouped_mm", "layer_norm", "matmul", "moe_route", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

@@ -22,4 +22,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     cross_entropy.FUSED_LINEAR_SPEC,
     scaled_matmul.SPEC,
     moe.SPEC,
+    moe.GROUPED_MM_SPEC,
 )}

@@ -1,13 +1,20 @@
 """Cases of `moe_route`: softmax and sigmoid scoring, renormalised or not, a selection bias,
 odd expert counts, 3-D and strided logits, every float dtype for the tests; the router of a
 Qwen3-30B-A3B-shaped layer (8192 tokens, 128 experts, top 8) forward and forward+backward for the
-benchmark, against torch and torch.compile."""
+benchmark, against torch and torch.compile.
+
+Cases of `grouped_mm` (GROUPED_MM_SPEC): empty groups, rows past the last group, HF's (E, N, K)
+weights read transposed, strided rows, every float dtype; the experts' products of a Qwen3-30B-A3B
+layer (16384 tokens x top 8 over 128 experts, hidden 2048, intermediate 768) and of a Mixtral layer
+(top 2 of 8, hidden 4096, intermediate 14336) against torch._grouped_mm and, for Mixtral, one dense
+cuBLAS product of the same FLOPs."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import runtime
+from ..ops.grouped_mm import grouped_mm, grouped_mm_reference
 from ..ops.moe import moe_route, moe_route_reference
 from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows
 from . import peers
@@ -86,4 +93,91 @@ SPEC = OpSpec(
     reference=routed_weights_reference,
     test_cases=test_cases,
     bench_cases=bench_cases,
+)
+
+
+def _group_ends(counts: list[int], device) -> torch.Tensor:
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def grouped_mm_test_cases() -> list[TestCase]:
+    def case(id, dtype, counts=(7, 0, 23, 3, 12), tail=5, K=24, N=40, hf_layout=False, strided=False,
+             gpu_only=False):
+        def make(device):
+            M = sum(counts) + tail
+            a = torch.randn(M, 2 * K if strided else K, device=device)
+            a = (a[:, ::2] if strided else a).to(dtype)
+            E = len(counts)
+            if hf_layout:  # HF keeps (E, N, K) and multiplies by its transpose
+                b = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype).transpose(1, 2)
+            else:
+                b = (torch.randn(E, K, N, device=device) / K**0.5).to(dtype)
+            return (a.requires_grad_(True), b.requires_grad_(True), _group_ends(list(counts), device)), {}
+
+        return TestCase(id, make, dtype, gpu_only=gpu_only, compare="norm")
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [case(f"{name}-5-groups", dt), case(f"{name}-hf-layout", dt, hf_layout=True)]
+    cases += [
+        case("fp32-strided-rows", torch.float32, strided=True, tail=0),
+        case("fp32-one-group", torch.float32, counts=(37,), tail=0, K=33, N=17),
+        case("bf16-128-experts", torch.bfloat16, counts=tuple(range(0, 256, 2)), tail=3, K=256, N=384,
+             hf_layout=True, gpu_only=True),
+    ]
+    return cases
+
+
+def grouped_mm_bench_cases() -> list[BenchCase]:
+    """The gate/up product of the experts (N = 2 x intermediate) forward and forward+backward,
+    tokens routed uniformly at random."""
+    dtype, cases = torch.bfloat16, []
+    shapes = [("qwen3-30b-a3b", 16384, 8, 128, 2048, 1536), ("mixtral", 16384, 2, 8, 4096, 28672)]
+    for label, tokens, top_k, E, K, N in shapes:
+        if runtime.INTERPRET:
+            tokens, E, K, N = 8, 4, 32, 48
+        M = tokens * top_k
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(mode=mode, M=M, E=E, K=K, N=N):
+                device, grad = runtime.DEVICE, mode != "fwd"
+                counts = torch.bincount(torch.randint(0, E, (M,)), minlength=E).tolist()
+                offs = _group_ends(counts, device)
+                a = torch.randn(M, K, device=device, dtype=dtype, requires_grad=grad)
+                w = (torch.randn(E, N, K, device=device, dtype=dtype) / K**0.5).requires_grad_(grad)
+                dc = torch.randn(M, N, device=device, dtype=dtype)
+                dense_a, dense_b = torch.randn(M, K, device=device, dtype=dtype), torch.randn(K, N, device=device,
+                                                                                              dtype=dtype)
+
+                def run(forward):
+                    if forward is None:
+                        return None
+                    return (lambda: torch.autograd.grad(forward(), (a, w), dc)) if grad else forward
+
+                def torch_grouped():
+                    return torch._grouped_mm(a, w.transpose(1, 2), offs)
+
+                peers_ = {"tritonformer": run(lambda: grouped_mm(a, w.transpose(1, 2), offs)),
+                          "torch._grouped_mm": None if runtime.INTERPRET or not hasattr(torch, "_grouped_mm")
+                          else run(torch_grouped)}
+                if E <= 8 and not grad:
+                    peers_["cublas dense"] = lambda: dense_a @ dense_b
+                return Bench(peers.available(peers_),
+                             reference=None if grad else lambda: grouped_mm_reference(
+                                 a.double(), w.double().transpose(1, 2), offs).to(dtype))
+
+            flops = 2 * M * K * N * (3 if mode == "fwd+bwd" else 1)
+            cases.append(BenchCase("grouped_mm", mode, dtype, f"{label} {M}x{K}x{N} E{E}", M, setup, flops=flops,
+                                   plot=f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16", quick=True,
+                                   compare="norm"))
+    return cases
+
+
+GROUPED_MM_SPEC = OpSpec(
+    name="grouped_mm",
+    fn=grouped_mm,
+    reference=grouped_mm_reference,
+    test_cases=grouped_mm_test_cases,
+    bench_cases=grouped_mm_bench_cases,
+    compare="norm",
 )
