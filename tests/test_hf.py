@@ -8,7 +8,7 @@ import torch
 import tritonformer.nn
 from tritonformer import runtime
 from tritonformer.integrations import hf
-from tritonformer.testing import assert_close
+from tritonformer.testing import assert_close, check_close
 
 from conftest import ON_GPU, gpu_only
 from helpers import graph_nodes
@@ -530,3 +530,42 @@ def test_a_label_past_the_vocabulary_raises_as_in_hf(device):
     labels[0, 5] = VOCAB
     with pytest.raises(ValueError, match=f"target holds {VOCAB}"):
         model(input_ids=ids, labels=labels)
+
+
+MOE_CONFIGS = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                                                     norm_topk_prob=True),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                                                     num_experts=6, num_experts_per_tok=2),
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=6, num_experts_per_tok=3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_experts_implementation_matches_hf_experts(family, device, monkeypatch):
+    """experts_implementation="tritonformer" (registered on import) against HF's expert loop: the
+    same logits, loss and gradients, and our experts do run."""
+    calls = []
+    run = hf.moe_experts
+    monkeypatch.setattr(hf, "moe_experts", lambda *args: calls.append(1) or run(*args))
+    config = MOE_CONFIGS[family]()
+    for name, value in dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16).items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    # from_config records the implementation on the config it is given: one config each.
+    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="tritonformer")
+    ours.load_state_dict(reference.state_dict())
+    reference, ours = reference.to(device), ours.to(device)
+    ids = _ids(device, S=12)
+    expected, got = reference(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    assert calls, "the tritonformer experts did not run"
+    assert_close(got.logits, expected.logits.double(), torch.float32, "norm")
+    assert_close(got.loss, expected.loss.double(), torch.float32)
+    expected.loss.backward()
+    got.loss.backward()
+    for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
+        msg = check_close(q.grad, p.grad.double(), torch.float32, "norm")
+        assert msg is None, f"{name}: {msg}"

@@ -23,4 +23,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     scaled_matmul.SPEC,
     moe.SPEC,
     moe.GROUPED_MM_SPEC,
+    moe.EXPERTS_SPEC,
 )}

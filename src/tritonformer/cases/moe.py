@@ -7,15 +7,23 @@ Cases of `grouped_mm` (GROUPED_MM_SPEC): empty groups, rows past the last group,
 weights read transposed, strided rows, every float dtype; the experts' products of a Qwen3-30B-A3B
 layer (16384 tokens x top 8 over 128 experts, hidden 2048, intermediate 768) and of a Mixtral layer
 (top 2 of 8, hidden 4096, intermediate 14336) against torch._grouped_mm and, for Mixtral, one dense
-cuBLAS product of the same FLOPs."""
+cuBLAS product of the same FLOPs.
+
+Cases of `moe_experts` (EXPERTS_SPEC): top 1 to 8, idle experts, every float dtype; the benchmark
+runs a Qwen3-30B-A3B-shaped experts block (16384 tokens, top 8 of 128 experts, hidden 2048,
+intermediate 768) forward and forward+backward against HF's grouped_mm experts (eager and under
+torch.compile)."""
 
 from __future__ import annotations
+
+import types
 
 import torch
 
 from .. import runtime
 from ..ops.grouped_mm import grouped_mm, grouped_mm_reference
 from ..ops.moe import moe_route, moe_route_reference
+from ..ops.moe_experts import moe_experts, moe_experts_reference
 from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows
 from . import peers
 
@@ -179,5 +187,87 @@ GROUPED_MM_SPEC = OpSpec(
     reference=grouped_mm_reference,
     test_cases=grouped_mm_test_cases,
     bench_cases=grouped_mm_bench_cases,
+    compare="norm",
+)
+
+
+def _experts_inputs(device, T, H, I, E, k, dtype, grad=True):
+    x = torch.randn(T, H, device=device).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
+    weights, experts = torch.softmax(torch.randn(T, E, device=device), -1).topk(k)
+    return [t.requires_grad_(grad) for t in (x,)] + [experts] + [
+        t.requires_grad_(grad) for t in (weights.to(dtype), gate_up, down)]
+
+
+def experts_test_cases() -> list[TestCase]:
+    def case(id, dtype, T=19, H=32, I=24, E=6, k=2, gpu_only=False):
+        return TestCase(id, lambda device: (tuple(_experts_inputs(device, T, H, I, E, k, dtype)), {}), dtype,
+                        gpu_only=gpu_only, compare="norm")
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = str(dt).replace("torch.", "")
+        cases += [case(f"{name}-6-experts-top2", dt), case(f"{name}-top1", dt, k=1, T=9)]
+    cases += [case("fp32-top4-odd-sizes", torch.float32, T=13, H=20, I=12, E=5, k=4),
+              case("bf16-qwen3-moe-small", torch.bfloat16, T=256, H=256, I=96, E=64, k=8, gpu_only=True)]
+    return cases
+
+
+def _hf_grouped_mm_experts():
+    """transformers' grouped_mm experts forward on a stand-in module (None where it is missing)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
+    except ImportError:
+        return None
+
+    def forward(x, experts, weights, gate_up, down):
+        module = types.SimpleNamespace(num_experts=gate_up.shape[0], has_gate=True, has_bias=False,
+                                       is_transposed=False, gate_up_proj=gate_up, down_proj=down,
+                                       act_fn=torch.nn.functional.silu)
+        module._apply_gate = lambda h: _default_apply_gate(module, h)
+        return grouped_mm_experts_forward(module, x, experts, weights)
+
+    return forward
+
+
+def experts_bench_cases() -> list[BenchCase]:
+    T, H, I, E, k, dtype = 16384, 2048, 768, 128, 8, torch.bfloat16
+    if runtime.INTERPRET:
+        T, H, I, E, k = 8, 32, 16, 4, 2
+    cases = []
+    for mode in ("fwd", "fwd+bwd"):
+        def setup(mode=mode):
+            grad = mode != "fwd"
+            inputs = _experts_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
+            dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
+            params = [inputs[i] for i in (0, 2, 3, 4)]
+
+            def run(forward):
+                if forward is None:
+                    return None
+                return (lambda: torch.autograd.grad(forward(), params, dout)) if grad else forward
+
+            hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
+            return Bench(peers.available({
+                "tritonformer": run(lambda: moe_experts(*inputs)),
+                "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
+                "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
+            }), reference=None if grad else lambda: moe_experts_reference(
+                *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
+
+        flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
+        cases.append(BenchCase("moe_experts", mode, dtype, f"T{T} E{E} top{k} H{H} I{I}", T, setup, flops=flops,
+                               plot=f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16", quick=True,
+                               compare="norm"))
+    return cases
+
+
+EXPERTS_SPEC = OpSpec(
+    name="moe_experts",
+    fn=moe_experts,
+    reference=moe_experts_reference,
+    test_cases=experts_test_cases,
+    bench_cases=experts_bench_cases,
     compare="norm",
 )

@@ -63,6 +63,7 @@ from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from ..ops.moe_experts import moe_experts
 from ..ops.norm import add_rms_norm, rms_norm
 from ..ops.rope import apply_rope, qkv_rope
 from ..ops.swiglu import swiglu, swiglu_mlp
@@ -551,6 +552,26 @@ def register_attention() -> None:
     _wrap_packed_sequence_check()
 
 
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """experts_implementation="tritonformer": SwiGLU experts in HF's default layout (gate rows then
+    up rows of gate_up_proj (E, 2I, H), down_proj (E, H, I), no biases) run `moe_experts`; any
+    other layout runs HF's grouped_mm path."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    silu = getattr(getattr(self, "config", None), "hidden_act", None) in SILU_NAMES
+    if (silu and getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
+            and not getattr(self, "is_transposed", False) and getattr(self, "is_concatenated", True)):
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts() -> None:
+    """Make experts_implementation="tritonformer" available for HF's MoE models (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(ATTENTION_NAME, _experts_forward)
+
+
 # Class-level patches: (owner, attribute) -> original value. The rope function is module-level,
 # shared by every model of a family: it stays patched while the family is patched by class or
 # any model of it patched by patch() is alive and not unpatched (_ROPE_USERS, weakly held).
@@ -718,3 +739,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     _unlink_next_norms(base)
     del base._tritonformer
     return model
+
+
+register_experts()

@@ -1,0 +1,125 @@
+"""moe_experts and its parts beyond the registry's cases: HF's expert loop and HF's experts
+module, experts that get no token, determinism, the no-gradient path, torch.compile, bad input."""
+
+import pytest
+import torch
+
+from tritonformer.ops.moe_experts import (moe_combine, moe_dispatch, moe_experts, moe_experts_reference,
+                                          moe_gather)
+from tritonformer.testing import assert_close
+
+from helpers import compile_fullgraph, foreign_device_tensor
+
+
+def _layer(device, T=21, H=32, I=24, E=6, k=2, dtype=torch.float32, skip_experts=()):
+    x = torch.randn(T, H, device=device).to(dtype).requires_grad_(True)
+    gate_up = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype).requires_grad_(True)
+    down = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype).requires_grad_(True)
+    logits = torch.randn(T, E, device=device)
+    logits[:, list(skip_experts)] = -float("inf")
+    weights, experts = torch.softmax(logits, -1).topk(k)
+    return x, experts, weights.to(dtype).requires_grad_(True), gate_up, down
+
+
+def _reference_grads(inputs, dout):
+    x, experts, weights, gate_up, down = inputs
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, weights, gate_up, down)]
+    out = moe_experts_reference(leaves[0], experts, *leaves[1:])
+    return out, torch.autograd.grad(out, leaves, dout.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_matches_hf_expert_loop_with_idle_experts(device, dtype, k):
+    inputs = _layer(device, k=k, dtype=dtype, skip_experts=(1, 4))
+    out = moe_experts(*inputs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [inputs[i] for i in (0, 2, 3, 4)], dout)
+    ref, ref_grads = _reference_grads(inputs, dout)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, "norm")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, dtype, "norm")
+    assert (grads[2][1] == 0).all() and (grads[3][4] == 0).all()  # idle experts: zero, written
+
+
+def test_int32_experts_and_float32_weights_of_bf16_activations(device):
+    """Mixtral keeps its routing weights in float32."""
+    x, experts, weights, gate_up, down = _layer(device, dtype=torch.bfloat16)
+    weights = weights.detach().float().requires_grad_(True)
+    out = moe_experts(x, experts.int(), weights, gate_up, down)
+    assert out.dtype == torch.bfloat16
+    (dw,) = torch.autograd.grad(out, weights, torch.randn_like(out))
+    assert dw.dtype == torch.float32
+
+
+def test_backward_is_deterministic(device):
+    inputs = _layer(device, T=40, k=4)
+    dout = torch.randn(40, 32, device=device)
+    params = [inputs[i] for i in (0, 2, 3, 4)]
+    first = torch.autograd.grad(moe_experts(*inputs), params, dout)
+    second = torch.autograd.grad(moe_experts(*inputs), params, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_dispatch_sorts_slots_stably_by_expert(device):
+    experts = torch.tensor([[2, 0], [0, 3], [2, 1]], device=device)
+    tokens, positions, ends = moe_dispatch(experts, 5)
+    assert tokens.tolist() == [0, 1, 2, 0, 2, 1]  # expert 0: tokens 0, 1; 1: 2; 2: 0, 2; 3: 1
+    assert ends.tolist() == [2, 3, 5, 6, 6] and ends.dtype == torch.int32
+    assert positions.tolist() == [[3, 0], [1, 5], [4, 2]]
+
+
+def test_gather_and_combine_alone(device):
+    x = torch.randn(5, 7, device=device, requires_grad=True)
+    experts = torch.randint(0, 3, (5, 2), device=device)
+    tokens, positions, _ = moe_dispatch(experts, 3)
+    rows = moe_gather(x, tokens, positions)
+    assert torch.equal(rows, x[tokens])
+    w = torch.rand(5, 2, device=device, requires_grad=True)
+    out = moe_combine(rows, positions, w)
+    assert_close(out, (x * w.sum(1, keepdim=True)).double(), torch.float32)
+    dx, dw = torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    assert_close(dx, w.sum(1, keepdim=True).expand(5, 7).double(), torch.float32)
+    assert_close(dw, x.sum(1, keepdim=True).expand(5, 2).double(), torch.float32)
+
+
+def test_no_tokens_and_no_grad(device):
+    x, experts, weights, gate_up, down = _layer(device, T=0)
+    assert moe_experts(x, experts, weights, gate_up, down).shape == (0, 32)
+    inputs = _layer(device)
+    with torch.no_grad():
+        out = moe_experts(*inputs)
+    assert out.grad_fn is None
+    assert_close(out, moe_experts_reference(*(t.double() if t.is_floating_point() else t for t in inputs)),
+                 torch.float32, "norm")
+
+
+def test_compiles_without_graph_breaks(device):
+    inputs = _layer(device)
+
+    def step(x, experts, weights, gate_up, down):
+        return moe_experts(x, experts, weights, gate_up, down).square().sum()
+
+    loss = compile_fullgraph(step)(*inputs)
+    params = [inputs[i] for i in (0, 2, 3, 4)]
+    grads = torch.autograd.grad(loss, params)
+    leaves = [t.detach().double().requires_grad_(True) for t in params]
+    ref = moe_experts_reference(leaves[0], inputs[1], *leaves[1:]).square().sum()
+    for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
+        assert_close(g, r, torch.float32, "norm")
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: dict(a, x=a["x"][None]), ValueError, "moe_experts takes"),
+    (lambda a: dict(a, experts=a["experts"].float()), TypeError, "int32 or int64"),
+    (lambda a: dict(a, weights=a["weights"].int()), TypeError, "float"),
+    (lambda a: dict(a, down_proj=a["down_proj"][:, :, :-1]), ValueError, "down_proj"),
+    (lambda a: dict(a, weights=a["weights"][:, :1]), ValueError, "moe_experts takes"),
+    (lambda a: dict(a, gate_up_proj=foreign_device_tensor()[:1, :1].expand(6, 48, 32)), ValueError, "is on"),
+])
+def test_bad_input_is_named(device, change, error, match):
+    x, experts, weights, gate_up, down = _layer(device)
+    args = change(dict(x=x, experts=experts, weights=weights, gate_up_proj=gate_up, down_proj=down))
+    with pytest.raises(error, match=match):
+        moe_experts(**args)
