@@ -133,6 +133,13 @@ def test_gqa_kv_gradients_cut_into_parts_of_the_group(device, monkeypatch, parts
             assert_close(g, r, torch.float32, compare="norm")
 
 
+@pytest.mark.parametrize("B,S_k", [(0, 8), (1, 0)])
+def test_gqa_backward_of_an_empty_batch_or_key_sequence(device, B, S_k):
+    q, k, v = _qkv(device, B=B, H=4, H_kv=2, S_q=8, S_k=S_k)
+    grads = torch.autograd.grad(tf.attention(q, k, v), (q, k, v), torch.randn(B, 4, 8, 32, device=device))
+    assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, (q, k, v)))
+
+
 def test_gqa_parts_fill_the_gpu_only_when_kv_heads_are_too_few(monkeypatch):
     monkeypatch.setattr(runtime, "num_sms", lambda index=0: 132)
 

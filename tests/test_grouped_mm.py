@@ -43,6 +43,13 @@ def test_gradients_are_laid_out_as_the_operands(device):
     assert (dw[1] == 0).all()  # an expert with no rows: a zero gradient, written
 
 
+def test_strided_offsets(device):
+    a, w = _operands(device)
+    offs = torch.tensor([[4, 9], [11, 9], [20, 9], [30, 9]], device=device)[:, 0]  # stride 2
+    assert_close(grouped_mm(a, w.transpose(1, 2), offs),
+                 grouped_mm_reference(a.double(), w.double().transpose(1, 2), offs), torch.float32)
+
+
 def test_no_rows(device):
     a, w = _operands(device, M=0)
     out = grouped_mm(a, w.transpose(1, 2), torch.zeros(4, dtype=torch.int32, device=device))

@@ -569,3 +569,17 @@ def test_experts_implementation_matches_hf_experts(family, device, monkeypatch):
     for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
         msg = check_close(q.grad, p.grad.double(), torch.float32, "norm")
         assert msg is None, f"{name}: {msg}"
+
+
+def test_experts_with_their_own_gate_function_keep_hf_path(device, monkeypatch):
+    """A family's own _apply_gate (GLM's clamped SwiGLU, say) is not what moe_experts computes."""
+    calls = []
+    monkeypatch.setattr(hf, "moe_experts", lambda *args: calls.append(1))
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.update(dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="tritonformer").to(device)
+    experts_cls = type(model.model.layers[0].mlp.experts)
+    monkeypatch.setattr(experts_cls, "_apply_gate", lambda self, h: h.chunk(2, dim=-1)[1].clamp(-1, 1), raising=False)
+    model(input_ids=_ids(device, S=8))
+    assert not calls

@@ -259,3 +259,18 @@ def test_call_key_of_a_quantized_tensor_is_its_layout(device):
     assert runtime.call_key((a, 1)) == runtime.call_key((b, 1))
     assert runtime.call_key((a,)) != runtime.call_key((quant.quantize(w, "mxfp4"),))
     assert runtime.call_key((a,)) != runtime.call_key((quant.quantize(w[:, :32], "nvfp4"),))
+
+
+@gpu_only
+def test_a_buffer_handed_out_during_capture_outlives_a_larger_request():
+    """A graph keeps the workspace's address: growing the stream's buffer later must not free it."""
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        runtime.workspace(torch.device("cuda"), 1 << 10)  # the stream's buffer, made outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = runtime.workspace(torch.device("cuda"), 1 << 12)
+            captured.fill_(1.0)
+        grown = runtime.workspace(torch.device("cuda"), 1 << 20)
+    assert grown.data_ptr() != captured.data_ptr()
+    assert runtime._captured_buffers[captured.data_ptr()] is captured

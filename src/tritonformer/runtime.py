@@ -783,6 +783,10 @@ def rebased(desc: TensorDescriptor | GluonTensorDescriptor,
 _stream_buffers: dict[tuple, torch.Tensor] = {}
 
 
+# Buffers handed out during a CUDA graph capture, kept alive for the graphs that read them.
+_captured_buffers: dict[int, torch.Tensor] = {}
+
+
 def _stream_buffer(kind: str, device: torch.device, count: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """A buffer of at least `count` elements kept for (kind, device, stream): launches on one
     stream run one after another and can share it, launches on two streams could not."""
@@ -790,6 +794,9 @@ def _stream_buffer(kind: str, device: torch.device, count: int, make: Callable[[
     buffer = _stream_buffers.get(key)
     if buffer is None or buffer.numel() < count:
         buffer = _stream_buffers[key] = make(count)
+    if not INTERPRET and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph keeps this address: a later, larger request must not free it.
+        _captured_buffers[buffer.data_ptr()] = buffer
     return buffer
 
 

@@ -554,13 +554,16 @@ def register_attention() -> None:
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """experts_implementation="tritonformer": SwiGLU experts in HF's default layout (gate rows then
-    up rows of gate_up_proj (E, 2I, H), down_proj (E, H, I), no biases) run `moe_experts`; any
-    other layout runs HF's grouped_mm path."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
+    up rows of gate_up_proj (E, 2I, H), down_proj (E, H, I), no biases, HF's own gate function)
+    run `moe_experts`; any other layout runs HF's grouped_mm path."""
+    from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
     silu = getattr(getattr(self, "config", None), "hidden_act", None) in SILU_NAMES
-    if (silu and getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
-            and not getattr(self, "is_transposed", False) and getattr(self, "is_concatenated", True)):
+    # A family's own _apply_gate (a clamped or scaled SwiGLU) and autocast stay with HF's path.
+    if (silu and getattr(type(self), "_apply_gate", None) is _default_apply_gate
+            and getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
+            and not getattr(self, "is_transposed", False) and getattr(self, "is_concatenated", True)
+            and not torch.is_autocast_enabled(hidden_states.device.type)):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 

@@ -792,6 +792,8 @@ def _dkdv_parts(lay: "_Layout", device: torch.device) -> int:
     causal band (docs/attention.md, "GQA backward"). Runs of equal length, at most the group."""
     group = lay.H // lay.H_kv
     programs = runtime.cdiv(lay.S_k, DKDV_PARTS_BLOCK_N) * lay.B * lay.H_kv
+    if programs == 0:  # no keys or no sequences: nothing to launch
+        return 1
     wanted = min(group, runtime.cdiv(DKDV_PARTS_PROGRAMS_PER_SM * runtime.num_sms(device.index or 0), programs))
     return runtime.cdiv(group, runtime.cdiv(group, wanted))
 

@@ -27,6 +27,8 @@ import triton.language as tl
 from .. import runtime
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Row indices are int32 in the kernels, a tile past the last row included.
+MAX_ROWS = 2**31 - 1024
 
 
 def _config(bm, bn, bk, stages, warps):
@@ -125,10 +127,10 @@ def _grouped_mm_db_kernel(
 ):
     """db[g][k tile, n tile] = the sum over group g's rows, BLOCK_M at a time in order, of
     a_rows^T @ dc_rows."""
-    g = tl.program_id(0)
+    g = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    rk = (tl.program_id(1) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rn = (tl.program_id(1) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tl.program_id(0) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     start, end = _group_bounds(offs_ptr, g, M)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for r0 in range(start, end, BLOCK_M):
@@ -187,7 +189,8 @@ def grouped_mm_db(a: torch.Tensor, dc: torch.Tensor, offs: torch.Tensor, b: torc
     db = runtime.empty_like(b)  # laid out as a dense b: HF's (E, N, K) weights keep their memory order
     if db.numel() == 0:
         return db
-    grid = lambda meta: (E, runtime.cdiv(K, meta["BLOCK_K"]) * runtime.cdiv(N, meta["BLOCK_N"]))
+    # Tiles on axis 0 (up to 2^31 - 1 programs; axis 1 takes 65535): a large expert has many.
+    grid = lambda meta: (runtime.cdiv(K, meta["BLOCK_K"]) * runtime.cdiv(N, meta["BLOCK_N"]), E)
     _launch_db(_tune_key("db", a.dtype, M, N, K, E), grid, a, dc, db, offs, M, N, K, *a.stride(), *dc.stride(),
                *db.stride(), **_consts(a.dtype))
     return db
@@ -224,9 +227,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         raise TypeError(f"a and b must share a dtype among {DTYPES}, got {a.dtype} and {b.dtype}")
     if b.device != a.device or offs.device != a.device:
         raise ValueError(f"a, b and offs must be on one device, got {a.device}, {b.device}, {offs.device}")
-    if a.shape[0] >= 2**31:
-        raise ValueError(f"grouped_mm takes fewer than 2^31 rows, got {a.shape[0]}")
-    return GroupedMMFunction.apply(a, b, offs)
+    if a.shape[0] > MAX_ROWS:
+        raise ValueError(f"grouped_mm takes at most {MAX_ROWS} rows, got {a.shape[0]}")
+    return GroupedMMFunction.apply(a, b, offs.contiguous())  # the kernels read offs densely
 
 
 def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -180,8 +180,10 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
         raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"weights must be a float tensor, got {weights.dtype}")
+    if gate_up_proj.dim() != 3:
+        raise ValueError(f"gate_up_proj must be (E, 2I, H), got {tuple(gate_up_proj.shape)}")
     E, two_i, H = gate_up_proj.shape
-    if gate_up_proj.dim() != 3 or two_i % 2 or H != x.shape[1] or down_proj.shape != (E, H, two_i // 2):
+    if two_i % 2 or H != x.shape[1] or down_proj.shape != (E, H, two_i // 2):
         raise ValueError(f"gate_up_proj must be (E, 2I, H) and down_proj (E, H, I) with H = {x.shape[1]}, got "
                          f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
     runtime.check_same_device(x=x, experts=experts, weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj)
