@@ -284,6 +284,11 @@ def apply(function: type[torch.autograd.Function], *args):
     grads = [torch.empty_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point()
              and (ctx.materialize_grads or i == 0) else None for i, o in enumerate(outs)]
     function.backward(ctx, *grads)
+    if any(ctx.needs_input_grad):
+        # As autograd's outputs would: an op fed by this one then warms its backward too.
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.grad_fn is None and not o.requires_grad:
+                o.requires_grad_(True)
     return outputs
 
 

@@ -34,6 +34,9 @@ What is swapped, per family (FAMILIES):
   rotary embedding keeps its tables for it. Packing told by position_ids alone is detected
   as HF detects it without a KV cache (HF's own training forward, which makes a cache by
   default, skips that check);
+- mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the experts module runs
+  `moe_experts` (experts_implementation="tritonformer", registered on import); a forward asked
+  for router logits keeps HF's ForCausalLM forward (its load-balancing loss);
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
@@ -77,8 +80,14 @@ class Family:
 
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
                  swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
-                 add_norm: bool = True):
+                 add_norm: bool = True, moe: bool = False, float32_routing: bool = False):
         self.name, self.prefix = name, prefix
+        # moe: the MLP of (some) layers is a mixture of experts whose experts module takes HF's
+        # experts_implementation; swiglu_mlp then names the dense MLP class (shared experts,
+        # dense layers) where the family has one.
+        self.moe = moe
+        # float32_routing: the router hands the experts float32 weights (Mixtral).
+        self.float32_routing = float32_routing
         self.norm_eps, self.norm_offset, self.swiglu_mlp = norm_eps, norm_offset, swiglu_mlp
         # add_norm: the decoder layer's forward is Llama's pre-norm block (attention, residual
         # add, post_attention_layernorm, MLP, residual add).
@@ -103,6 +112,13 @@ FAMILIES = {
     # Qwen3 normalises q and k per head between the projections and rope.
     "qwen3": Family("qwen3", "Qwen3", qkv_rope=False),
     "gemma": Family("gemma", "Gemma", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False),
+    # Mixtures of experts: the experts run moe_experts (experts_implementation="tritonformer").
+    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", qkv_rope=False, moe=True),
+    "qwen2_moe": Family("qwen2_moe", "Qwen2Moe", moe=True),  # windows come as HF's mask
+    "mixtral": Family("mixtral", "Mixtral", swiglu_mlp=False, sliding_window="config", moe=True,
+                      float32_routing=True),
+    # OLMoE normalises the whole q and k projections between them and rope.
+    "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True),
 }
 
 
@@ -425,12 +441,14 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
 
     cos = sin = torch.empty(1, seq, head_dim, dtype=dtype, device=device)
     attention = layer.self_attn
-    # Qwen3's q and k norms, over the heads of the projections' (B, S, heads, D) views.
+    # Qwen3's q and k norms, over the heads of the projections' (B, S, heads, D) views; OLMoE's
+    # over the whole projections.
     for name, n in (("q_norm", heads), ("k_norm", kv_heads)):
         norm = getattr(attention, name, None)
         if type(norm) is family.cls("RMSNorm"):
-            runtime.warm(rms_norm, activation(batch, seq, n, head_dim), like(norm.weight),
-                         getattr(norm, family.norm_eps), family.norm_offset)
+            shape = (batch, seq, n, head_dim) if norm.weight.numel() == head_dim else (batch, seq, n * head_dim)
+            runtime.warm(rms_norm, activation(*shape), like(norm.weight), getattr(norm, family.norm_eps),
+                         family.norm_offset)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
         runtime.warm(qkv_rope, x, *(like(p.weight) for p in projections), cos, sin, *(like(p.bias) for p in projections))
@@ -445,14 +463,24 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
                      attention.scaling, window)
 
-    # _mlp_forward's call.
-    mlp = layer.mlp
-    if family.swiglu_mlp and getattr(config, "hidden_act", "silu") in SILU_NAMES:
+    # _mlp_forward's calls: the layer's MLP, or an MoE block's shared expert.
+    dense = [m for m in layer.mlp.modules() if family.swiglu_mlp and type(m) is family.cls("MLP")]
+    for mlp in dense if getattr(config, "hidden_act", "silu") in SILU_NAMES else ():
         if all(_is_plain_linear(p) and p.bias is None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             runtime.warm(swiglu_mlp, x, like(mlp.gate_proj.weight), like(mlp.up_proj.weight), like(mlp.down_proj.weight))
         else:
-            runtime.warm(swiglu, activation(batch, seq, config.intermediate_size),
-                         activation(batch, seq, config.intermediate_size))
+            width = mlp.gate_proj.out_features
+            runtime.warm(swiglu, activation(batch, seq, width), activation(batch, seq, width))
+    # _experts_forward's call, routed tokens of the batch to expert 0 (the kernels depend on shapes
+    # and dtypes only).
+    experts = getattr(layer.mlp, "experts", None)
+    if family.moe and experts is not None and _runs_moe_experts(experts, dtype):
+        k = config.num_experts_per_tok
+        routing = torch.float32 if family.float32_routing else dtype
+        runtime.warm(moe_experts, activation(batch * seq, hidden_size),
+                     torch.zeros(batch * seq, k, dtype=torch.long, device=device),
+                     torch.empty(batch * seq, k, dtype=routing, device=device, requires_grad=True),
+                     like(experts.gate_up_proj), like(experts.down_proj))
 
     target = torch.zeros(batch * seq, dtype=torch.long, device=device)
     # The weight's gradient is a cuBLAS product (no kernel of ours): its stand-in needs none, and
@@ -475,8 +503,12 @@ def _causal_lm_forward(hf_forward, family: Family):
             self.__dict__[LINKED] = True
         labels, logits_to_keep = kwargs.get("labels"), kwargs.get("logits_to_keep", 0)
         # logits_to_keep with labels is HF's to reject (their batch sizes differ).
+        # Router logits (an MoE model's load-balancing loss joins HF's loss) take HF's forward.
+        router_logits = kwargs.get("output_router_logits")
+        if router_logits is None:
+            router_logits = getattr(self.config, "output_router_logits", False)
         fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
-                 and not _is_sharded(self.lm_head.weight)
+                 and not _is_sharded(self.lm_head.weight) and not router_logits
                  and isinstance(logits_to_keep, int) and logits_to_keep == 0)
         if not fused:
             return hf_forward(self, input_ids, **kwargs)
@@ -556,16 +588,24 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """experts_implementation="tritonformer": SwiGLU experts in HF's default layout (gate rows then
     up rows of gate_up_proj (E, 2I, H), down_proj (E, H, I), no biases, HF's own gate function)
     run `moe_experts`; any other layout runs HF's grouped_mm path."""
-    from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
+    from transformers.integrations.moe import grouped_mm_experts_forward
 
-    silu = getattr(getattr(self, "config", None), "hidden_act", None) in SILU_NAMES
-    # A family's own _apply_gate (a clamped or scaled SwiGLU) and autocast stay with HF's path.
-    if (silu and getattr(type(self), "_apply_gate", None) is _default_apply_gate
-            and getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
-            and not getattr(self, "is_transposed", False) and getattr(self, "is_concatenated", True)
-            and not torch.is_autocast_enabled(hidden_states.device.type)):
+    if _runs_moe_experts(self, hidden_states.dtype) and not torch.is_autocast_enabled(hidden_states.device.type):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _runs_moe_experts(experts: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether an HF experts module computes what moe_experts does: SiLU, HF's own gate function
+    (a family's own, a clamped or scaled SwiGLU, is not), gate rows then up rows, no biases,
+    weights of the activations' dtype."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (getattr(getattr(experts, "config", None), "hidden_act", None) in SILU_NAMES
+            and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+            and getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+            and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True)
+            and getattr(experts, "gate_up_proj", None) is not None and experts.gate_up_proj.dtype == dtype)
 
 
 def register_experts() -> None:
@@ -642,7 +682,9 @@ def _patch_family(name: str) -> None:
 def _unpatch_family(name: str) -> None:
     family = FAMILIES[name]
     for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "RotaryEmbedding", "ForCausalLM"):
-        _restore(family.cls(cls_suffix), "forward")
+        owner = getattr(family.module, family.prefix + cls_suffix, None)  # Mixtral has no dense MLP
+        if owner is not None:
+            _restore(owner, "forward")
     _unpatch_rope(family)
 
 
@@ -682,10 +724,10 @@ def unpatch_family(name: str) -> None:
 # ---- one model ----
 
 def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
-    """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3 or Gemma model, also inside a
-    PEFT wrapper) in place and return it; patching twice is harmless. attention=False keeps the
-    model's attention implementation, and so does a head dim the attention kernels do not take
-    (with a warning)."""
+    """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen3-MoE, Qwen2-MoE,
+    Mixtral or OLMoE model, also inside a PEFT wrapper) in place and return it; patching twice is
+    harmless. attention=False keeps the model's attention implementation, and so does a head dim
+    the attention kernels do not take (with a warning). MoE models' experts run moe_experts."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     family = _family_of(base)
     state = getattr(base, "_tritonformer", None)
@@ -718,7 +760,12 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     if attention:
         register_attention()
         base.set_attn_implementation(ATTENTION_NAME)
-    base._tritonformer = (family, patched, previous_attention if attention else None, previous_loss)
+    previous_experts = None
+    if family.moe:
+        previous_experts = base.config._experts_implementation
+        base.set_experts_implementation(ATTENTION_NAME)
+    base._tritonformer = (family, patched, previous_attention if attention else None, previous_loss,
+                          previous_experts)
     return model
 
 
@@ -728,7 +775,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(base, "_tritonformer", None)
     if state is None:
         return model
-    family, patched, previous_attention, previous_loss = state
+    family, patched, previous_attention, previous_loss, previous_experts = state
     for module in patched:
         del module.forward
         if module in previous_loss:
@@ -739,6 +786,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     _unpatch_rope(family, base)
     if previous_attention is not None:
         base.set_attn_implementation(previous_attention)
+    if previous_experts is not None:
+        base.set_experts_implementation(previous_experts)
     _unlink_next_norms(base)
     del base._tritonformer
     return model

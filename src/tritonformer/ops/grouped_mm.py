@@ -37,7 +37,7 @@ def _config(bm, bn, bk, stages, warps):
 
 def _fwd_configs():
     if runtime.INTERPRET:
-        return [_config(16, 32, 16, 1, 4)]
+        return [_config(32, 64, 32, 1, 4)]
     return [_config(128, 128, 64, 3, 8), _config(128, 256, 64, 3, 8), _config(64, 128, 64, 4, 4),
             _config(128, 64, 64, 4, 4), _config(64, 64, 64, 4, 4), _config(64, 256, 64, 3, 8)]
 
@@ -45,7 +45,7 @@ def _fwd_configs():
 def _db_configs():
     """BLOCK_K x BLOCK_N of db a program, its group's rows BLOCK_M at a time."""
     if runtime.INTERPRET:
-        return [_config(16, 32, 16, 1, 4)]
+        return [_config(32, 64, 32, 1, 4)]
     return [_config(64, 128, 128, 3, 8), _config(64, 128, 64, 4, 4), _config(64, 64, 128, 4, 4),
             _config(128, 128, 128, 2, 8), _config(64, 64, 64, 4, 4)]
 
@@ -229,7 +229,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         raise ValueError(f"a, b and offs must be on one device, got {a.device}, {b.device}, {offs.device}")
     if a.shape[0] > MAX_ROWS:
         raise ValueError(f"grouped_mm takes at most {MAX_ROWS} rows, got {a.shape[0]}")
-    return GroupedMMFunction.apply(a, b, offs.contiguous())  # the kernels read offs densely
+    offs = offs.contiguous()  # the kernels read offs densely
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return runtime.apply(GroupedMMFunction, a, b, offs)
+    return grouped_mm_fwd(a, b, offs)
 
 
 def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
