@@ -74,6 +74,8 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     model.train(), reference.train()
     out, ref = model(ids, labels=ids), reference(ids, labels=ids)
     assert out.logits is None  # training with labels: fused linear cross-entropy, no logits
+    if hf.FAMILIES[family].moe:
+        assert out.aux_loss is None and model.config._experts_implementation == "tritonformer"
     assert not any(hf.FUSED_NORM in m.__dict__ for m in model.modules())  # every one taken
     # q, k, v and rope as one node a layer, where the family's attention forward is Llama's.
     nodes = graph_nodes(out.loss)
@@ -590,3 +592,16 @@ def test_experts_with_their_own_gate_function_keep_hf_path(device, monkeypatch):
     monkeypatch.setattr(experts_cls, "_apply_gate", lambda self, h: h.chunk(2, dim=-1)[1].clamp(-1, 1), raising=False)
     model(input_ids=_ids(device, S=8))
     assert not calls
+
+
+def test_moe_router_logits_keep_hf_loss_with_its_auxiliary_loss(device):
+    model, reference = _models("qwen3_moe")
+    model.to(device).train(), reference.to(device).train()
+    ids = _ids(device)
+    out = model(ids, labels=ids, output_router_logits=True)
+    ref = reference(ids, labels=ids, output_router_logits=True)
+    assert out.aux_loss is not None and out.logits is not None
+    assert_close(out.loss, ref.loss.double(), torch.float32)
+    assert_close(out.aux_loss, ref.aux_loss.double(), torch.float32)
+    hf.unpatch(model)
+    assert model.config._experts_implementation == reference.config._experts_implementation

@@ -285,9 +285,11 @@ def apply(function: type[torch.autograd.Function], *args):
              and (ctx.materialize_grads or i == 0) else None for i, o in enumerate(outs)]
     function.backward(ctx, *grads)
     if any(ctx.needs_input_grad):
-        # As autograd's outputs would: an op fed by this one then warms its backward too.
+        # As autograd's outputs would: an op fed by this one then warms its backward too (not an
+        # input handed back, nor an output marked non-differentiable).
         for o in outs:
-            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.grad_fn is None and not o.requires_grad:
+            if (isinstance(o, torch.Tensor) and o.is_floating_point() and o.grad_fn is None and not o.requires_grad
+                    and not any(o is a for a in args) and not any(o is n for n in ctx.non_differentiable)):
                 o.requires_grad_(True)
     return outputs
 
@@ -298,6 +300,7 @@ class _WarmContext:
     def __init__(self, args: tuple):
         self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         self.saved_tensors: tuple = ()
+        self.non_differentiable: tuple = ()
         self.materialize_grads = True
 
     def save_for_backward(self, *tensors) -> None:
@@ -307,7 +310,7 @@ class _WarmContext:
         pass
 
     def mark_non_differentiable(self, *tensors) -> None:
-        pass
+        self.non_differentiable = tensors
 
     def set_materialize_grads(self, value: bool) -> None:
         self.materialize_grads = value

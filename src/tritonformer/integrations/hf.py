@@ -59,7 +59,7 @@ import weakref
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import runtime
@@ -72,6 +72,8 @@ from ..ops.rope import apply_rope, qkv_rope
 from ..ops.swiglu import swiglu, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
+# The most memory a first step's warm-up may take for stand-ins of one layer's experts.
+WARM_EXPERTS_MAX_BYTES = 2**30
 IGNORE_INDEX = -100
 
 
@@ -456,8 +458,8 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         runtime.warm(apply_rope, heads_view(heads), heads_view(kv_heads), cos, sin)
     # nn.attention_forward's call, when it is the model's attention; a window shorter than the
     # sequence goes to SDPA with HF's mask.
-    sliding = (getattr(config, "sliding_window", None) if family.sliding_window == "config"
-               else getattr(attention, "sliding_window", None))
+    sliding = {"config": getattr(config, "sliding_window", None),
+               "module": getattr(attention, "sliding_window", None)}.get(family.sliding_window)
     if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
         window = None if sliding is None else sliding - 1
         runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
@@ -472,9 +474,12 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
             width = mlp.gate_proj.out_features
             runtime.warm(swiglu, activation(batch, seq, width), activation(batch, seq, width))
     # _experts_forward's call, routed tokens of the batch to expert 0 (the kernels depend on shapes
-    # and dtypes only).
+    # and dtypes only); its stand-ins (weights, their gradients) are a layer's experts again, so
+    # large or sharded experts compile on the first step instead.
     experts = getattr(layer.mlp, "experts", None)
-    if family.moe and experts is not None and _runs_moe_experts(experts, dtype):
+    if (family.moe and experts is not None and _runs_moe_experts(experts, dtype)
+            and not _is_sharded(experts.gate_up_proj)
+            and 3 * experts.gate_up_proj.numel() * experts.gate_up_proj.element_size() <= WARM_EXPERTS_MAX_BYTES):
         k = config.num_experts_per_tok
         routing = torch.float32 if family.float32_routing else dtype
         runtime.warm(moe_experts, activation(batch * seq, hidden_size),
@@ -542,8 +547,9 @@ def _causal_lm_forward(hf_forward, family: Family):
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, num_items_in_batch=num_items_in_batch)
-        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                     attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
+        output_cls = MoeCausalLMOutputWithPast if family.moe else CausalLMOutputWithPast
+        out = output_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                         attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
         return out if return_dict else out.to_tuple()
 
     forward.tritonformer_wraps = hf_forward
@@ -593,6 +599,14 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if _runs_moe_experts(self, hidden_states.dtype) and not torch.is_autocast_enabled(hidden_states.device.type):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_are_the_familys(model: torch.nn.Module, family: Family) -> bool:
+    """Whether every experts module of the model is the family's own class (a quantized one,
+    FP8's say, dispatches through a table of its own that has no "tritonformer")."""
+    own = family.cls("Experts")
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    return bool(experts) and all(type(m) is own for m in experts)
 
 
 def _runs_moe_experts(experts: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -740,6 +754,11 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
                       f"({', '.join(map(str, attention_op.HEAD_DIMS))}): the model keeps its attention "
                       f"({config._attn_implementation}); the other ops are patched", stacklevel=2)
         attention = False
+    # First: it is the step that can refuse (transformers' own checks), before anything changed.
+    previous_experts = None
+    if family.moe and _experts_are_the_familys(base, family):
+        previous_experts = base.config._experts_implementation
+        base.set_experts_implementation(ATTENTION_NAME)
     forwards = _replacements(family)
     causal_lm = family.cls("ForCausalLM")
     previous_loss = {}
@@ -760,10 +779,6 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     if attention:
         register_attention()
         base.set_attn_implementation(ATTENTION_NAME)
-    previous_experts = None
-    if family.moe:
-        previous_experts = base.config._experts_implementation
-        base.set_experts_implementation(ATTENTION_NAME)
     base._tritonformer = (family, patched, previous_attention if attention else None, previous_loss,
                           previous_experts)
     return model
