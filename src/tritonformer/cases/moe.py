@@ -28,6 +28,18 @@ from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows
 from . import peers
 
 
+def _work(forward, grad: bool, inputs, dout):
+    """A provider's thunk: the forward, or with grad the gradients of `inputs` from `dout`
+    through it (None where the provider could not be built)."""
+    if forward is None:
+        return None
+    return (lambda: torch.autograd.grad(forward(), inputs, dout)) if grad else forward
+
+
+def _plot(mode: str) -> str:
+    return f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16"
+
+
 def routed_weights(router_logits, top_k, normalize=False, scoring="softmax", selection_bias=None):
     """moe_route's weights (its indices pick them: a wrong choice shows as wrong weights)."""
     return moe_route(router_logits, top_k, normalize, scoring, selection_bias)[0]
@@ -78,9 +90,7 @@ def bench_cases() -> list[BenchCase]:
             dw = torch.randn(T, k, device=runtime.DEVICE, dtype=dtype)
 
             def run(forward):
-                if forward is None:
-                    return None
-                return (lambda: torch.autograd.grad(forward(), z, dw)) if grad else forward
+                return _work(forward, grad, z, dw)
 
             return Bench(peers.available({
                 "tritonformer": run(lambda: routed_weights(z, k, True)),
@@ -91,7 +101,7 @@ def bench_cases() -> list[BenchCase]:
         size = T * E * dtype.itemsize
         moved = size + T * k * (dtype.itemsize + 4) if mode == "fwd" else 3 * size + 2 * T * k * (dtype.itemsize + 4)
         cases.append(BenchCase("moe_route", mode, dtype, f"{T}x{E}-top{k}", T, setup, bytes=moved,
-                               plot=f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16", quick=True))
+                               plot=_plot(mode), quick=True))
     return cases
 
 
@@ -158,9 +168,7 @@ def grouped_mm_bench_cases() -> list[BenchCase]:
                                                                                               dtype=dtype)
 
                 def run(forward):
-                    if forward is None:
-                        return None
-                    return (lambda: torch.autograd.grad(forward(), (a, w), dc)) if grad else forward
+                    return _work(forward, grad, (a, w), dc)
 
                 def torch_grouped():
                     return torch._grouped_mm(a, w.transpose(1, 2), offs)
@@ -176,7 +184,7 @@ def grouped_mm_bench_cases() -> list[BenchCase]:
 
             flops = 2 * M * K * N * (3 if mode == "fwd+bwd" else 1)
             cases.append(BenchCase("grouped_mm", mode, dtype, f"{label} {M}x{K}x{N} E{E}", M, setup, flops=flops,
-                                   plot=f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16", quick=True,
+                                   plot=_plot(mode), quick=True,
                                    compare="norm"))
     return cases
 
@@ -244,9 +252,7 @@ def experts_bench_cases() -> list[BenchCase]:
             params = [inputs[i] for i in (0, 2, 3, 4)]
 
             def run(forward):
-                if forward is None:
-                    return None
-                return (lambda: torch.autograd.grad(forward(), params, dout)) if grad else forward
+                return _work(forward, grad, params, dout)
 
             hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
             return Bench(peers.available({
@@ -258,7 +264,7 @@ def experts_bench_cases() -> list[BenchCase]:
 
         flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
         cases.append(BenchCase("moe_experts", mode, dtype, f"T{T} E{E} top{k} H{H} I{I}", T, setup, flops=flops,
-                               plot=f"{'forward' if mode == 'fwd' else 'forward+backward'} bf16", quick=True,
+                               plot=_plot(mode), quick=True,
                                compare="norm"))
     return cases
 
