@@ -798,6 +798,8 @@ _captured_buffers: dict[int, torch.Tensor] = {}
 def _stream_buffer(kind: str, device: torch.device, count: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """A buffer of at least `count` elements kept for (kind, device, stream): launches on one
     stream run one after another and can share it, launches on two streams could not."""
+    if device.type == "cuda" and device.index is None:  # torch.device("cuda"): the current one
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (kind, device, 0 if INTERPRET else torch._C._cuda_getCurrentRawStream(device.index))
     buffer = _stream_buffers.get(key)
     if buffer is None or buffer.numel() < count:
