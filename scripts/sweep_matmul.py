@@ -58,7 +58,7 @@ def main() -> None:
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
         for bm, bn, bk, s, w in EXTRA]
     default_split_k = mm._split_k
-    tma_layout = mm._tma_layout
+    tma_layout = mm.tma_layout
     if args.pointer_loads:
         mm.POINTER_LOADS_MAX_WORK = 2**40
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -80,7 +80,7 @@ def main() -> None:
         splits = [1] if batch else [s for s in (1, 2, 3, 4, 6, 8) if K // s >= 256]
         for split, loads in [(s, loads) for s in splits for loads in ("tma", "pointers")[:1 + args.pointer_loads]]:
             mm._split_k = lambda *_, split=split: split
-            mm._tma_layout = tma_layout if loads == "tma" else lambda *_: None
+            mm.tma_layout = tma_layout if loads == "tma" else lambda *_: None
             fresh()
             try:
                 tf.matmul(a, b)
@@ -94,7 +94,7 @@ def main() -> None:
             ratios = " ".join(f"{p / o:.2f}x" for p, o in zip(peer[:3], ours[:3]))
             print(f"  split {split} {loads}: {ours} us  {ratios}  {cfg}", flush=True)
         mm._split_k = default_split_k
-        mm._tma_layout = tma_layout
+        mm.tma_layout = tma_layout
         fresh()
 
 

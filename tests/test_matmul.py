@@ -53,7 +53,7 @@ def test_unaligned_operands_both_paths(path, dtype, device, monkeypatch):
 def test_unaligned_operands_are_padded_not_misread(device):
     # K = 13 float32 rows are 52 bytes: not 16-byte aligned, so TMA needs a padded copy.
     a = torch.randn(9, 13, device=device)
-    assert matmul_op._tma_layout(a, (1, 9, 13), (117, 13, 1)) is None
+    assert matmul_op.tma_layout(a, (1, 9, 13), (117, 13, 1)) is None
     padded, again = matmul_op._padded_copy(a, (1, 9, 13), (117, 13, 1))
     assert padded.stride()[1] % 4 == 0 and padded.shape == (1, 9, 13) and torch.equal(padded[0], a)
     other = torch.randn(9, 13, device=device)
@@ -62,7 +62,7 @@ def test_unaligned_operands_are_padded_not_misread(device):
 
 def test_transposed_operands_are_read_in_place(device):
     weight = torch.randn(48, 32, device=device)
-    assert matmul_op._tma_layout(weight, (1, 32, 48), (1536, 1, 32)) == ((1536, 1, 32), True)
+    assert matmul_op.tma_layout(weight, (1, 32, 48), (1536, 1, 32)) == ((1536, 1, 32), True)
 
 
 @pytest.mark.parametrize("a_shape,b_shape", [((5, 0), (0, 16)), ((5, 8), (8, 0)), ((2, 5, 8), (8, 0)),

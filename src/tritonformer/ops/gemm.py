@@ -1,12 +1,13 @@
-"""What matmul and scaled_matmul share: the fused epilogue (scales, bias, activation, store),
-the grouped tile order, split-K's in-kernel sum of partials, and the host's stride helpers and
-replay key of a planned product. See docs/matmul.md."""
+"""What matmul, scaled_matmul and grouped_mm share: the fused epilogue (scales, bias, activation,
+store), the grouped tile order, split-K's in-kernel sum of partials, and the host's stride, TMA
+layout and descriptor helpers and replay key of a planned product. See docs/matmul.md."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
 
@@ -120,6 +121,17 @@ def epilogue_store(
 
 
 @triton.jit
+def load_tile(desc, batch, off_r, off_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANS: tl.constexpr):
+    """The (BLOCK_R, BLOCK_C) tile at (off_r, off_c) of matrix `batch` of a host_descriptor; one over
+    the transposed layout (TRANS) is read as such and permuted in shared memory."""
+    if TRANS:
+        tile = desc.load([batch, off_c, off_r]).reshape(BLOCK_C, BLOCK_R).T
+    else:
+        tile = desc.load([batch, off_r, off_c]).reshape(BLOCK_R, BLOCK_C)
+    return tile
+
+
+@triton.jit
 def grouped_tile(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(row, column) of output tile t in grouped order: GROUP_M rows of tiles are walked column by
     column, so that the tiles running at once share their rows of A and columns of B in L2."""
@@ -168,3 +180,34 @@ def row_major(rows: int, cols: int, stride_r: int, stride_c: int, trans: bool, b
     if trans:
         return [cols, rows], [stride_c, stride_r], [block_cols, block_rows]
     return [rows, cols], [stride_r, stride_c], [block_rows, block_cols]
+
+
+def tma_layout(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
+    """(strides, transposed) for reading the (batch, rows, cols) matrix `shape` with `strides` from
+    `t` in place through TMA: row-major (transposed=False) or column-major (True) with a 16-byte
+    aligned base and strides; None when it is neither."""
+    align = 16 // t.element_size()
+    sb, sr, sc = strides
+    aligned_base = t.data_ptr() % 16 == 0
+    # A broadcast batch (stride 0) is not either: TMA wants every stride positive.
+    if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb > 0:
+        return (sb, sr, 1), False
+    if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb > 0:
+        return strides, True
+    return None
+
+
+def host_descriptor(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], trans: bool,
+                    block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A descriptor of (batch, rows, cols) matrices in (1, block_rows, block_cols) boxes (row_major)."""
+    matrix, matrix_strides, block = row_major(shape[1], shape[2], strides[1], strides[2], trans, block_rows,
+                                              block_cols)
+    return TensorDescriptor(t, [shape[0], *matrix], [strides[0], *matrix_strides], [1, *block])
+
+
+def programs_per_sm(meta: dict, element_size: int) -> int:
+    """About how many programs of this config fit one SM's shared memory at once: big problems
+    get a persistent grid of that size, small ones one program per tile. The grid function sees
+    only kernel parameters, not num_stages: 3 stages are assumed (a larger grid only queues)."""
+    stage_bytes = (meta["BLOCK_M"] + meta["BLOCK_N"]) * meta["BLOCK_K"] * element_size
+    return max(1, (227 * 1024) // (stage_bytes * 3))

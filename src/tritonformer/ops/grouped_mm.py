@@ -10,12 +10,12 @@ past offs[E - 1] come out zero. The offsets stay on the device (no host synchron
 clamped to [0, M], so that decreasing offsets give unspecified rows, never an access out of
 bounds.
 
-The forward kernel maps its row-tile axis onto the groups' tiles, group after group, from the
-offsets (a prefix sum over the E groups in each program); the grid is sized for the most tiles
-any offsets can need (cdiv(M, BLOCK_M) + E), and programs past the last tile exit. Backward:
-da = the same kernel on dout and b^T; db[g] = a_g^T @ dout_g, one program per (group, K tile,
-N tile) summing its group's rows in order (deterministic, no atomics; a group with no rows gets
-zeros). Design: docs/moe.md.
+The forward kernel is persistent: each program walks the output tiles of every group, group
+after group (a prefix sum of the E groups' tile counts, taken once a program, names a tile's
+group), in grouped order within a group, operands through TMA (tensor descriptors) where their
+layout allows, masked pointer loads otherwise. Backward: da = the same kernel on dout and b^T;
+db[g] = a_g^T @ dout_g, one program per (group, K tile, N tile) summing its group's rows in order
+(deterministic, no atomics; a group with no rows gets zeros). Design: docs/moe.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from .gemm import grouped_tile, host_descriptor, load_tile, one_matrix_strides, programs_per_sm, tma_layout
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Row indices are int32 in the kernels, a tile past the last row included.
@@ -38,53 +39,47 @@ def _config(bm, bn, bk, stages, warps):
 def _fwd_configs():
     if runtime.INTERPRET:
         return [_config(32, 64, 32, 1, 4)]
-    return [_config(128, 128, 64, 3, 8), _config(128, 256, 64, 3, 8), _config(64, 128, 64, 4, 4),
-            _config(128, 64, 64, 4, 4), _config(64, 64, 64, 4, 4), _config(64, 256, 64, 3, 8)]
+    return [_config(128, 256, 64, 3, 8), _config(128, 256, 64, 4, 8), _config(256, 128, 64, 3, 8),
+            _config(128, 128, 64, 4, 8), _config(128, 128, 128, 3, 8), _config(64, 256, 64, 4, 4),
+            _config(64, 128, 64, 4, 4)]
 
 
 def _db_configs():
     """BLOCK_K x BLOCK_N of db a program, its group's rows BLOCK_M at a time."""
     if runtime.INTERPRET:
         return [_config(32, 64, 32, 1, 4)]
-    return [_config(64, 128, 128, 3, 8), _config(64, 128, 64, 4, 4), _config(64, 64, 128, 4, 4),
-            _config(128, 128, 128, 2, 8), _config(64, 64, 64, 4, 4)]
+    # Short row loops (a thousand rows a group): tiles of which two fit an SM (shared memory and
+    # registers) overlap one program's first loads and last stores with the other's products.
+    return [_config(64, 128, 128, 3, 8), _config(64, 128, 128, 2, 8), _config(32, 128, 128, 4, 8),
+            _config(64, 128, 128, 4, 8), _config(128, 128, 128, 2, 8), _config(64, 256, 128, 3, 8),
+            _config(64, 128, 64, 4, 4)]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Tiles that fit 220 KiB of shared memory in the operands' dtype (float32: BLOCK_K <= 32 and
-    the smallest ones)."""
+    """Tiles whose stages fit 220 KiB of shared memory in the operands' dtype (float32: the
+    smallest tiles); a stage holds BLOCK_K x (BLOCK_M + BLOCK_N) forward, BLOCK_M x (BLOCK_K +
+    BLOCK_N) in the weights' gradient."""
     elt = named_args["a_ptr"].element_size()
-    kept = [c for c in configs
-            if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * elt * c.num_stages <= 220 * 1024
-            and (elt < 4 or min(c.kwargs.values()) <= 64)]
+    db = "dc_ptr" in named_args
+
+    def stage(kw):
+        return kw["BLOCK_M"] * (kw["BLOCK_K"] + kw["BLOCK_N"]) if db else kw["BLOCK_K"] * (kw["BLOCK_M"] + kw["BLOCK_N"])
+
+    kept = [c for c in configs if stage(c.kwargs) * elt * c.num_stages <= 220 * 1024
+            and (elt < 4 or min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) <= 64)]
     return kept or configs[-1:]
 
 
 @triton.jit
-def _group_bounds(offs_ptr, g, M):
-    """(first row, end row) of group g (g < E), from the cumulative ends, clamped to [0, M]."""
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
+def _group_bounds(offs_ptr, g, M, E):
+    """(first row, end row) of group g <= E (group E: the rows past the last end), clamped to [0, M]."""
+    end = M
+    if g < E:
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
     start = 0
     if g > 0:
         start = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1).to(tl.int32), 0), M)
     return start, tl.maximum(end, start)
-
-
-@triton.jit
-def _row_tile(offs_ptr, pid_m, M, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(group, first row, end row) of the pid_m-th row tile, counting tiles group after group.
-    Group E is the rows past the last end (stored as zeros); E + 1 means past every tile."""
-    g = tl.arange(0, BLOCK_E)
-    end = tl.load(offs_ptr + g, mask=g < E, other=M)
-    start = tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0)
-    end = tl.minimum(tl.maximum(end.to(tl.int32), 0), M)
-    start = tl.minimum(tl.maximum(start.to(tl.int32), 0), M)
-    tiles = tl.where(g <= E, tl.cdiv(tl.maximum(end - start, 0), BLOCK_M), 0)
-    last = tl.cumsum(tiles, 0)  # tiles of groups 0..g
-    group = tl.sum((last <= pid_m).to(tl.int32), 0)
-    before = tl.sum(tl.where(g < group, tiles, 0), 0)
-    first_row = tl.sum(tl.where(g == group, start, 0), 0) + (pid_m - before) * BLOCK_M
-    return group, first_row, tl.sum(tl.where(g == group, end, 0), 0)
 
 
 @runtime.autotune(configs=_fwd_configs(), prune_configs_by={"early_config_prune": _prune})
@@ -92,48 +87,84 @@ def _row_tile(offs_ptr, pid_m, M, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexp
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    group, first_row, end_row = _row_tile(offs_ptr, tl.program_id(0), M, E, BLOCK_E, BLOCK_M)
-    if group <= E:
-        rm = first_row + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rm < end_row
+    # a_ptr and b_ptr are host_descriptors over (1, M, K) and (E, K, N), or with POINTER_LOADS
+    # plain pointers read through their strides, masked.
+    # Output tiles of each group, group after group; group E (the rows past the last end) is
+    # stored as zeros, so that an output never holds stale memory.
+    g = tl.arange(0, BLOCK_E)
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + g, mask=g < E, other=M).to(tl.int32), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0).to(tl.int32), 0), M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.where(g <= E, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0) * tiles_n
+    tiles_through = tl.cumsum(tiles, 0)  # tiles of groups 0..g
+    num_tiles = tl.sum(tiles, 0)
+    # Persistent: the tile loop flattens into the K loop, so the next tile's loads start while this
+    # one finishes (docs/matmul.md).
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        group = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+        tiles_before = tl.sum(tl.where(g < group, tiles, 0), 0)
+        row_start, row_end = _group_bounds(offs_ptr, group, M, E)
+        pid_m, pid_n = grouped_tile(tile - tiles_before, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n, GROUP_M)
+        off_m = row_start + pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if group < E:
-            a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
-            b_cols = b_ptr + group.to(tl.int64) * stride_be + rn.to(tl.int64)[None, :] * stride_bn
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_rows + rk.to(tl.int64)[None, :] * stride_ak, mask=row_ok[:, None] & (rk < K)[None, :],
-                            other=0.0)
-                b = tl.load(b_cols + rk.to(tl.int64)[:, None] * stride_bk, mask=(rk < K)[:, None] & (rn < N)[None, :],
-                            other=0.0)
-                if UPCAST:
-                    a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        for kt in range(0, tl.cdiv(K, BLOCK_K)):
+            off_k = kt * BLOCK_K
+            if POINTER_LOADS:
+                rk = off_k + tl.arange(0, BLOCK_K)
+                a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk.to(tl.int64)[None, :] * stride_ak,
+                            mask=(rm < row_end)[:, None] & (rk < K)[None, :], other=0.0)
+                b = tl.load(b_ptr + group.to(tl.int64) * stride_be + rk.to(tl.int64)[:, None] * stride_bk
+                            + rn.to(tl.int64)[None, :] * stride_bn,
+                            mask=(group < E) & (rk < K)[:, None] & (rn < N)[None, :], other=0.0)
+            else:
+                # Rows past the group's end are read (the next group's) but never stored; group E
+                # reads b past its last matrix, which TMA fills with zeros.
+                a = load_tile(a_ptr, 0, off_m, off_k, BLOCK_M, BLOCK_K, A_TRANS)
+                b = load_tile(b_ptr, group, off_k, off_n, BLOCK_K, BLOCK_N, B_TRANS)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < row_end)[:, None] & (rn < N)[None, :])
 
 
 @runtime.autotune(configs=_db_configs(), prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_mm_db_kernel(
-    a_ptr, dc_ptr, db_ptr, offs_ptr, M, N, K,
+    a_desc, dc_desc, a_ptr, dc_ptr, db_ptr, offs_ptr, M, N, K, E,
     stride_am, stride_ak, stride_dcm, stride_dcn, stride_dbe, stride_dbk, stride_dbn,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_TRANS: tl.constexpr, DC_TRANS: tl.constexpr, POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """db[g][k tile, n tile] = the sum over group g's rows, BLOCK_M at a time in order, of
-    a_rows^T @ dc_rows."""
+    a_rows^T @ dc_rows. The group's whole blocks of rows come through TMA (a_desc and dc_desc:
+    host_descriptors over (1, M, K) and (1, M, N)); the last, partial block (every block with
+    POINTER_LOADS) through masked pointer loads, since TMA would read the next group's rows."""
     g = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    rk = (tl.program_id(0) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rn = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end = _group_bounds(offs_ptr, g, M)
+    off_k = (tl.program_id(0) // tiles_n) * BLOCK_K
+    off_n = (tl.program_id(0) % tiles_n) * BLOCK_N
+    rk = off_k + tl.arange(0, BLOCK_K)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    start, end = _group_bounds(offs_ptr, g, M, E)
+    whole_end = start
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    for r0 in range(start, end, BLOCK_M):
+    if not POINTER_LOADS:
+        whole_end = start + (end - start) // BLOCK_M * BLOCK_M
+        for r0 in range(start, whole_end, BLOCK_M):
+            a = load_tile(a_desc, 0, r0, off_k, BLOCK_M, BLOCK_K, A_TRANS)
+            dc = load_tile(dc_desc, 0, r0, off_n, BLOCK_M, BLOCK_N, DC_TRANS)
+            if UPCAST:
+                a, dc = a.to(tl.float32), dc.to(tl.float32)
+            acc = tl.dot(tl.trans(a), dc, acc, input_precision=INPUT_PRECISION)
+    for r0 in range(whole_end, end, BLOCK_M):
         rm = r0 + tl.arange(0, BLOCK_M)
         row_ok = rm < end
         a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk.to(tl.int64)[None, :] * stride_ak,
@@ -152,13 +183,29 @@ _launch_fwd = runtime.TunedLauncher(_grouped_mm_kernel)
 _launch_db = runtime.TunedLauncher(_grouped_mm_db_kernel)
 
 
+# Output tiles in grouped order within a group: GROUP_M rows of tiles share b's columns in L2.
+GROUP_M = 8
+
+
 def _consts(dtype: torch.dtype) -> dict:
     return dict(UPCAST=runtime.INTERPRET and dtype == torch.bfloat16, INPUT_PRECISION=runtime.input_precision(dtype))
 
 
-def _tune_key(kind: str, dtype: torch.dtype, M: int, N: int, K: int, E: int) -> tuple:
+def _tune_key(kind: str, dtype: torch.dtype, M: int, N: int, K: int, E: int, pointer_loads: bool) -> tuple:
     # Token counts change from batch to batch: tuned once per power-of-two bucket of M.
-    return (kind, dtype, runtime.next_power_of_2(max(M, 1)), N, K, E)
+    return (kind, dtype, runtime.next_power_of_2(max(M, 1)), N, K, E, pointer_loads)
+
+
+def _layouts(operands: tuple[tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]], ...]):
+    """(strides, transposed) of each (tensor, (batch, rows, cols), strides) as TMA reads it in
+    place, or None when one of them cannot be (the kernels then use masked pointer loads)."""
+    layouts = []
+    for t, shape, strides in operands:
+        layout = tma_layout(t, shape, strides) if t.numel() else None
+        if layout is None:
+            return None
+        layouts.append(layout)
+    return layouts
 
 
 def _fake_fwd(a, b, offs):
@@ -172,9 +219,26 @@ def grouped_mm_fwd(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
     c = runtime.empty((M, N), a.dtype, a.device)
     if M == 0 or N == 0:
         return c
-    grid = lambda meta: (runtime.cdiv(M, meta["BLOCK_M"]) + E, runtime.cdiv(N, meta["BLOCK_N"]))
-    _launch_fwd(_tune_key("fwd", a.dtype, M, N, K, E), grid, a, b, c, offs, M, N, K, E, *a.stride(), *b.stride(),
-                *c.stride(), **_consts(a.dtype), BLOCK_E=runtime.next_power_of_2(E + 1))
+    a_strides = one_matrix_strides(a)
+    layouts = _layouts(((a, (1, M, K), a_strides), (b, (E, K, N), b.stride())))
+    element_size = a.element_size()
+
+    def grid(meta):
+        tiles = (runtime.cdiv(M, meta["BLOCK_M"]) + E) * runtime.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, runtime.num_sms(a.device.index or 0) * programs_per_sm(meta, element_size)),)
+
+    scalars = (M, N, K, E, *a.stride(), *b.stride(), *c.stride())
+    consts = dict(**_consts(a.dtype), A_TRANS=bool(layouts and layouts[0][1]), B_TRANS=bool(layouts and layouts[1][1]),
+                  POINTER_LOADS=layouts is None, BLOCK_E=runtime.next_power_of_2(E + 1), GROUP_M=GROUP_M)
+
+    def fitted(config):
+        (a_st, a_trans), (b_st, b_trans) = layouts
+        descriptors = (host_descriptor(a, (1, M, K), a_st, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
+                       host_descriptor(b, (E, K, N), b_st, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
+        return (*descriptors, c, offs, *scalars), consts
+
+    _launch_fwd(_tune_key("fwd", a.dtype, M, N, K, E, layouts is None), grid, a, b, c, offs, *scalars, **consts,
+                fitted=None if layouts is None else fitted)
     return c
 
 
@@ -189,10 +253,21 @@ def grouped_mm_db(a: torch.Tensor, dc: torch.Tensor, offs: torch.Tensor, b: torc
     db = runtime.empty_like(b)  # laid out as a dense b: HF's (E, N, K) weights keep their memory order
     if db.numel() == 0:
         return db
+    layouts = _layouts(((a, (1, M, K), one_matrix_strides(a)), (dc, (1, M, N), one_matrix_strides(dc))))
     # Tiles on axis 0 (up to 2^31 - 1 programs; axis 1 takes 65535): a large expert has many.
     grid = lambda meta: (runtime.cdiv(K, meta["BLOCK_K"]) * runtime.cdiv(N, meta["BLOCK_N"]), E)
-    _launch_db(_tune_key("db", a.dtype, M, N, K, E), grid, a, dc, db, offs, M, N, K, *a.stride(), *dc.stride(),
-               *db.stride(), **_consts(a.dtype))
+    scalars = (M, N, K, E, *a.stride(), *dc.stride(), *db.stride())
+    consts = dict(**_consts(a.dtype), A_TRANS=bool(layouts and layouts[0][1]),
+                  DC_TRANS=bool(layouts and layouts[1][1]), POINTER_LOADS=layouts is None)
+
+    def fitted(config):
+        (a_st, a_trans), (dc_st, dc_trans) = layouts
+        descriptors = (host_descriptor(a, (1, M, K), a_st, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
+                       host_descriptor(dc, (1, M, N), dc_st, dc_trans, config["BLOCK_M"], config["BLOCK_N"]))
+        return (*descriptors, a, dc, db, offs, *scalars), consts
+
+    _launch_db(_tune_key("db", a.dtype, M, N, K, E, layouts is None), grid, a, dc, a, dc, db, offs, *scalars,
+               **consts, fitted=None if layouts is None else fitted)
     return db
 
 

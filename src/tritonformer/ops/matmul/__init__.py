@@ -21,11 +21,11 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ... import runtime
 from ..gemm import (ACTIVATIONS, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, epilogue_store, grouped_tile,
-                    one_matrix_strides, row_major, split_k_total)
+                    host_descriptor, load_tile, one_matrix_strides, programs_per_sm, split_k_total,
+                    tma_layout)
 from . import split_inside
 
 FP8 = torch.float8_e4m3fn
@@ -100,7 +100,7 @@ def _matmul_kernel(
     STORE_PRE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, POINTER_LOADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # a_ptr and b_ptr are tensor descriptors made on the host (_host_descriptor), or with
+    # a_ptr and b_ptr are tensor descriptors made on the host (host_descriptor), or with
     # POINTER_LOADS plain pointers read through their strides, masked.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -141,14 +141,8 @@ def _matmul_kernel(
                             + rn.to(tl.int64)[None, :] * stride_bn, mask=(rk < K)[:, None] & (rn < N)[None, :],
                             other=0.0)
             else:
-                if A_TRANS:
-                    a = a_ptr.load([batch, off_k, off_m]).reshape(BLOCK_K, BLOCK_M).T
-                else:
-                    a = a_ptr.load([batch, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
-                if B_TRANS:
-                    b = b_ptr.load([batch, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
-                else:
-                    b = b_ptr.load([batch, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+                a = load_tile(a_ptr, batch, off_m, off_k, BLOCK_M, BLOCK_K, A_TRANS)
+                b = load_tile(b_ptr, batch, off_k, off_n, BLOCK_K, BLOCK_N, B_TRANS)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -164,21 +158,6 @@ def _matmul_kernel(
                 stride_cm, stride_cn, bias_ptr, scale_a_ptr, scale_b_ptr, negative_slope,
                 HAS_BIAS, ACTIVATION, SCALE_A, SCALE_B, STORE_PRE,
             )
-
-
-def _tma_layout(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int]):
-    """(strides, transposed) for reading the (batch, rows, cols) matrix `shape` with `strides` from
-    `t` in place through TMA: row-major (transposed=False) or column-major (True) with a 16-byte
-    aligned base and strides; None when it is neither."""
-    align = 16 // t.element_size()
-    sb, sr, sc = strides
-    aligned_base = t.data_ptr() % 16 == 0
-    # A broadcast batch (stride 0) is not either: TMA wants every stride positive.
-    if aligned_base and (sc == 1 or shape[2] == 1) and sr % align == 0 and sr > 0 and sb % align == 0 and sb > 0:
-        return (sb, sr, 1), False
-    if aligned_base and sr == 1 and sc % align == 0 and sc > 0 and sb % align == 0 and sb > 0:
-        return strides, True
-    return None
 
 
 @triton.jit
@@ -224,14 +203,6 @@ def _padded_copy(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[in
     return buf[..., :cols], again
 
 
-def _programs_per_sm(meta: dict, element_size: int) -> int:
-    """About how many programs of this config fit one SM's shared memory at once: big problems
-    get a persistent grid of that size, small ones one program per tile. The grid function sees
-    only kernel parameters, not num_stages: 3 stages are assumed (a larger grid only queues)."""
-    stage_bytes = (meta["BLOCK_M"] + meta["BLOCK_N"]) * meta["BLOCK_K"] * element_size
-    return max(1, (227 * 1024) // (stage_bytes * 3))
-
-
 def _split_k(M: int, N: int, K: int, batch: int, device: torch.device) -> int:
     tiles = batch * math.ceil(M / 64) * math.ceil(N / 128)
     sms = runtime.num_sms(device.index or 0)
@@ -260,7 +231,7 @@ def launch_strided(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M:
     Returns a replay `(a, b, c, pre, bias, scale_a, scale_b) -> None` that issues the same
     launches (and padded copies) for new tensors of the same shapes, strides, dtypes and
     alignment, or None in compile_ahead's thread."""
-    a_layout, b_layout = _tma_layout(a, (batch, M, K), a_strides), _tma_layout(b, (batch, K, N), b_strides)
+    a_layout, b_layout = tma_layout(a, (batch, M, K), a_strides), tma_layout(b, (batch, K, N), b_strides)
     pointer_loads = ((a_layout is None or b_layout is None or M <= POINTER_LOADS_MAX_M)
                      and batch * M * N * K <= POINTER_LOADS_MAX_WORK)
     # Operands that TMA cannot read in place are copied padded, anew each call (copy_a(a)).
@@ -290,7 +261,7 @@ def launch_strided(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M:
 
     def grid(meta):
         tiles = batch * split_k * runtime.cdiv(M, meta["BLOCK_M"]) * runtime.cdiv(N, meta["BLOCK_N"])
-        return (min(tiles, runtime.num_sms(a.device.index or 0) * _programs_per_sm(meta, element_size)),)
+        return (min(tiles, runtime.num_sms(a.device.index or 0) * programs_per_sm(meta, element_size)),)
 
     scalars = (batch, M, N, K, *a_strides, *b_strides, *c_strides, negative_slope)
 
@@ -301,8 +272,8 @@ def launch_strided(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M:
                 c if scale_a is None else scale_a, c if scale_b is None else scale_b, *scalars)
 
     def descriptors(a, b, config):
-        return (_host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
-                _host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
+        return (host_descriptor(a, (batch, M, K), a_strides, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
+                host_descriptor(b, (batch, K, N), b_strides, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
 
     # The tuning key. Sizes go in by power-of-two bucket: the token count (M, or K in a weight
     # gradient) changes from batch to batch in training with padding or packing, and tuning takes
@@ -337,14 +308,6 @@ def launch_strided(a, a_strides, b, b_strides, c, c_strides, pre, batch: int, M:
             runtime.rebased(a_desc, a), runtime.rebased(b_desc, b), c, pre, bias, scale_a, scale_b))
 
     return replay
-
-
-def _host_descriptor(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], trans: bool,
-                     block_rows: int, block_cols: int) -> TensorDescriptor:
-    """A descriptor of (batch, rows, cols) matrices in (1, block_rows, block_cols) boxes (row_major)."""
-    matrix, matrix_strides, block = row_major(shape[1], shape[2], strides[1], strides[2], trans, block_rows,
-                                              block_cols)
-    return TensorDescriptor(t, [shape[0], *matrix], [strides[0], *matrix_strides], [1, *block])
 
 
 def _output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:

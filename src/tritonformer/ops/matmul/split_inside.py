@@ -133,7 +133,7 @@ _launch_split_inside_kernel = runtime.FastLaunch(_split_inside_kernel)
 def launch(a, a_strides, a_trans, b, b_strides, b_trans, c, c_strides, pre, M, N, K, bias, activation,
            negative_slope):
     """matmul's launch_strided for _split_inside_kernel: operands given as it gets them (strides of
-    a batch of one, transposed flags from _tma_layout). Returns the replay, or None in
+    a batch of one, transposed flags from gemm.tma_layout). Returns the replay, or None in
     compile_ahead's thread."""
     bm, bn, bk, stages = SPLIT_INSIDE_SHAPE
     element = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
