@@ -3,7 +3,7 @@
     tokens, positions, ends = moe_dispatch(experts, E)   # rows sorted by expert, on the device
     rows = moe_gather(x, tokens, positions)              # (T * k, H): row i is x[tokens[i]]
     h = grouped_mm(rows, gate_up_proj^T, ends)           # HF's (E, 2I, H) weights read in place
-    y = grouped_mm(silu(h[:, :I]) * h[:, I:], down_proj^T, ends)
+    y = grouped_mm(silu(h[:, :I]) * h[:, I:], down_proj^T, ends)   # one autograd node with the above
     out[t] = sum over j of weights[t, j] * y[positions[t, j]]   (moe_combine)
 
 as HF's Qwen3-MoE / Qwen2-MoE / OLMoE / Mixtral experts compute it (their loop over experts),
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .grouped_mm import grouped_mm
-from .swiglu import swiglu
+from .grouped_mm import grouped_mm_db, grouped_mm_fwd
+from .swiglu import swiglu_bwd_concat, swiglu_fwd
 
 COMBINE_BLOCK_N = 1024
 
@@ -137,6 +137,35 @@ class MoEGatherFunction(torch.autograd.Function):
         return moe_combine_fwd(drows, positions, None), None, None
 
 
+class ExpertsMLPFunction(torch.autograd.Function):
+    """y = grouped_mm(swiglu(gate, up), down_proj^T) with [gate | up] = grouped_mm(rows,
+    gate_up_proj^T): one node, saving rows and [gate | up]; the backward writes [dgate | dup] into
+    one buffer and recomputes the activation for down_proj's gradient instead of saving it."""
+
+    @staticmethod
+    def forward(ctx, rows, gate_up_proj, down_proj, ends):
+        gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
+        inter = gate_up_proj.shape[1] // 2
+        y = grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends)
+        ctx.save_for_backward(rows, gate_up, gate_up_proj, down_proj, ends)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, gate_up, gate_up_proj, down_proj, ends = ctx.saved_tensors
+        inter = gate_up_proj.shape[1] // 2
+        dh = grouped_mm_fwd(dy, down_proj, ends)
+        dgate_up, h = swiglu_bwd_concat(gate_up[:, :inter], gate_up[:, inter:], dh)
+        del dh  # each intermediate freed once used: the peak stays that of the products' own outputs
+        d_down_proj = (grouped_mm_db(h, dy, ends, down_proj.transpose(1, 2)).transpose(1, 2)
+                       if ctx.needs_input_grad[2] else None)
+        del h, dy
+        drows = grouped_mm_fwd(dgate_up, gate_up_proj, ends) if ctx.needs_input_grad[0] else None
+        d_gate_up_proj = (grouped_mm_db(rows, dgate_up, ends, gate_up_proj.transpose(1, 2)).transpose(1, 2)
+                          if ctx.needs_input_grad[1] else None)
+        return drows, d_gate_up_proj, d_down_proj, None
+
+
 def moe_dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, positions, ends) of the top-k choices experts (T, k) in [0, num_experts): the
     T * k slots sorted by expert (stably: a token's slots in token order), tokens (T * k,) the
@@ -189,8 +218,12 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     runtime.check_same_device(x=x, experts=experts, weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj)
     tokens, positions, ends = moe_dispatch(experts, E)
     rows = moe_gather(x, tokens, positions)
-    gate, up = grouped_mm(rows, gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-    y = grouped_mm(swiglu(gate, up), down_proj.transpose(1, 2), ends)
+    if torch.is_grad_enabled() and (rows.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad):
+        y = runtime.apply(ExpertsMLPFunction, rows, gate_up_proj, down_proj, ends)
+    else:
+        gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
+        inter = gate_up_proj.shape[1] // 2
+        y = grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends)
     return moe_combine(y, positions, weights)
 
 

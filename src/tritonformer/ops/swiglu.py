@@ -159,6 +159,29 @@ def swiglu_bwd_op(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, store_
     return dg, du, h if h is not None else runtime.empty((0,), gate.dtype, gate.device)
 
 
+def _fake_swiglu_bwd_concat(gate, up, dh):
+    rows, n = gate.shape
+    return gate.new_empty((rows, 2 * n)), gate.new_empty((rows, n))
+
+
+@runtime.custom_op("swiglu_bwd_concat", fake=_fake_swiglu_bwd_concat)
+def swiglu_bwd_concat(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([dg | du] (rows, 2N), h (rows, N)) of (rows, N) gate, up and dh with unit column stride:
+    the gradient of a projection whose output holds gate and up side by side, in one buffer
+    (no concatenation after), and h recomputed for the next product's weight gradient."""
+    rows, n = gate.shape
+    dgu = runtime.empty((rows, 2 * n), gate.dtype, gate.device)
+    h = runtime.empty((rows, n), gate.dtype, gate.device)
+    if gate.numel() == 0:
+        return dgu, h
+    block = min(MAX_BLOCK, runtime.next_power_of_2(n))
+    col_blocks = runtime.cdiv(n, block)
+    _launch_bwd((rows * col_blocks,), gate, up, dh, dgu, dgu[:, n:], h, n, col_blocks, gate.stride(0), up.stride(0),
+                dh.stride(0), dgu.stride(0), dgu.stride(0), h.stride(0), STORE_H=True, BLOCK=block,
+                num_warps=_num_warps(block, BWD_VALUES_PER_THREAD))
+    return dgu, h
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
