@@ -255,6 +255,21 @@ def test_e2e_trains_each_named_model_family(tmp_path):
     assert main(["bench", "e2e", "--stacks", "hf+jax", "--out", str(tmp_path)]) == 2
 
 
+def test_e2e_trains_the_mixture_of_experts_model(tmp_path):
+    """bench e2e --model qwen3-moe at the interpreter's size: a Qwen3-MoE, patched (our experts)
+    and not (HF's), to the same losses; the report names the experts."""
+    pytest.importorskip("transformers")
+    from tritonformer.bench import e2e
+
+    sizes = dict(e2e.QUICK, family="qwen3_moe", model="qwen3-moe", steps=e2e.WARMUP_STEPS + 1, new_tokens=2,
+                 experts=4, expert_intermediate=32, top_k=2)
+    assert type(e2e.make_model(sizes, torch.device("cpu"), torch.float32)).__name__ == "Qwen3MoeForCausalLM"
+    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer")]
+    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    report = e2e.write_report(rows, sizes, tmp_path)
+    assert report.name == "e2e-qwen3-moe.md" and "4 experts of intermediate 32 (top 2)" in report.read_text()
+
+
 @pytest.mark.skipif(not runtime.INTERPRET, reason="names of the CPU's peers")
 def test_the_cpu_grid_names_torchs_cpu_matmul_as_such():
     providers = {p for c in registry.OPS["matmul"].bench_cases() if c.quick for p in c.setup().providers}

@@ -4,7 +4,8 @@ time and the loss, plus a prefill and a greedy generation measure.
 
 Models (MODELS): "e2e", the Llama-style model of ../shared/ANCHORS.md; "smollm2-135m" and
 "qwen2.5-0.5b", the shapes of the small models most fine-tuned (issue 44; Qwen2 with its q/k/v
-biases; both with tied embeddings). Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when
+biases; both with tied embeddings); "qwen3-moe", a 4-layer Qwen3-MoE with Qwen3-30B-A3B's experts
+(issue 46; HF's default experts, torch._grouped_mm, in the HF stacks). Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when
 importable), HF + torch.compile, HF + tritonformer (integrations.hf.patch), the same with the
 whole step as a CUDA graph (tritonformer.capture_step), and HF + tritonformer + torch.compile.
 Each runs in a child process of its own (Liger and our patch both replace module-level functions
@@ -42,6 +43,10 @@ MODELS = {
                          tied=True, **RUN),
     "qwen2.5-0.5b": dict(family="qwen2", layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936,
                          tied=True, **RUN),
+    # Issue 46's mixture-of-experts model: Qwen3-30B-A3B's experts (128 of intermediate 768, top 8)
+    # and attention (32 / 4 heads of 128) in 4 layers.
+    "qwen3-moe": dict(family="qwen3_moe", layers=4, hidden=2048, intermediate=6144, heads=32, kv_heads=4, vocab=151936,
+                      tied=False, experts=128, expert_intermediate=768, top_k=8, **RUN),
 }
 FULL = MODELS["e2e"]
 # Under the interpreter: a model small enough to train a few steps in seconds (of each family).
@@ -62,12 +67,18 @@ def make_model(sizes: dict, device, dtype):
     import transformers
 
     torch.manual_seed(0)
-    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
-    config = configs[sizes.get("family", "llama")](
+    family = sizes.get("family", "llama")
+    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
+    # A mixture-of-experts family's experts (at QUICK's size: 4 experts of 64, top 2).
+    experts = dict(num_experts=sizes.get("experts", 4), moe_intermediate_size=sizes.get("expert_intermediate", 64),
+                   num_experts_per_tok=sizes.get("top_k", 2), head_dim=sizes["hidden"] // sizes["heads"],
+                   norm_topk_prob=True) if family == "qwen3_moe" else {}
+    config = configs[family](
         vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
         num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"],
         tie_word_embeddings=sizes.get("tied", False),
-        max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]))
+        max_position_embeddings=max(sizes["seq"], sizes["prompt"] + sizes["new_tokens"]), **experts)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
 
 
@@ -194,6 +205,8 @@ def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
         "",
         f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
         f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}"
+        + (f", {sizes['experts']} experts of intermediate {sizes['expert_intermediate']} (top {sizes['top_k']})"
+           if "experts" in sizes else "") +
         f"{' (tied embeddings)' if sizes.get('tied') else ''}, batch {sizes['batch']} x "
         f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps, "
         "from empty Triton and Inductor caches (a first run); "
