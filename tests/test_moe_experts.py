@@ -1,9 +1,11 @@
 """moe_experts and its parts beyond the registry's cases: HF's expert loop and HF's experts
-module, experts that get no token, determinism, the no-gradient path, torch.compile, bad input."""
+module, tritonformer.nn.MoE against HF's Qwen3-MoE block, experts that get no token, routing extremes (every token to one expert, top-k of every
+expert, one token), determinism, the no-gradient path, torch.compile, bad input."""
 
 import pytest
 import torch
 
+from tritonformer import nn as tnn
 from tritonformer.ops.moe_experts import (moe_combine, moe_dispatch, moe_experts, moe_experts_reference,
                                           moe_gather)
 from tritonformer.testing import assert_close
@@ -41,6 +43,24 @@ def test_matches_hf_expert_loop_with_idle_experts(device, dtype, k):
     for g, r in zip(grads, ref_grads):
         assert_close(g, r, dtype, "norm")
     assert (grads[2][1] == 0).all() and (grads[3][4] == 0).all()  # idle experts: zero, written
+
+
+@pytest.mark.parametrize("routing", ["all-to-one-expert", "top-k-is-every-expert", "one-token"])
+def test_routing_extremes(device, routing):
+    T, E, k = {"all-to-one-expert": (17, 6, 1), "top-k-is-every-expert": (11, 5, 5), "one-token": (1, 6, 2)}[routing]
+    x, experts, weights, gate_up, down = _layer(device, T=T, E=E, k=k)
+    if routing == "all-to-one-expert":
+        experts = torch.full_like(experts, 3)
+    inputs = (x, experts, weights, gate_up, down)
+    out = moe_experts(*inputs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, weights, gate_up, down], dout)
+    ref, ref_grads = _reference_grads(inputs, dout)
+    assert_close(out, ref, torch.float32, "norm")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, "norm")
+    if routing == "all-to-one-expert":
+        assert (grads[2][[0, 1, 2, 4, 5]] == 0).all() and (grads[3][[0, 1, 2, 4, 5]] == 0).all()
 
 
 def test_int32_experts_and_float32_weights_of_bf16_activations(device):
@@ -108,6 +128,39 @@ def test_compiles_without_graph_breaks(device):
     ref = moe_experts_reference(leaves[0], inputs[1], *leaves[1:]).square().sum()
     for g, r in zip(grads, torch.autograd.grad(ref, leaves)):
         assert_close(g, r, torch.float32, "norm")
+
+
+def test_moe_module_is_hfs_qwen3_moe_block(device):
+    """tritonformer.nn.MoE loads and gives a state_dict of HF's Qwen3MoeSparseMoeBlock, and its
+    output and every gradient match that block's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=6,
+                                         num_experts_per_tok=2, norm_topk_prob=True)
+    config._experts_implementation = "eager"  # HF's loop over experts, the reference
+    hf_block = Qwen3MoeSparseMoeBlock(config).to(device)
+    ours = tnn.MoE(32, 24, num_experts=6, top_k=2, normalize_top_k=True).to(device)
+    assert set(ours.state_dict()) == set(hf_block.state_dict())
+    ours.load_state_dict({k: v * 0 + torch.randn_like(v) / 4 for k, v in ours.state_dict().items()})
+    hf_block.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 7, 32, device=device, requires_grad=True)
+    out, logits = ours(x, return_router_logits=True)
+    dout = torch.randn_like(out)
+    names = sorted(dict(ours.named_parameters()))
+    grads = torch.autograd.grad(out, [x] + [ours.get_parameter(n) for n in names], dout)
+    x_ref = x.detach().double().requires_grad_(True)
+    hf_block.double()
+    expected = hf_block(x_ref)
+    ref_grads = torch.autograd.grad(expected, [x_ref] + [hf_block.get_parameter(n) for n in names], dout.double())
+    assert logits.shape == (14, 6)
+    assert_close(out, expected, torch.float32, "norm")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, "norm")
+    with pytest.raises(ValueError, match="top_k"):
+        tnn.MoE(32, 24, num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="hidden_size"):
+        ours(torch.randn(3, 16, device=device))
 
 
 @pytest.mark.parametrize("change,error,match", [

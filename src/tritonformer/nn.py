@@ -9,6 +9,8 @@ from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops import decode_attention as decode
 from .ops.matmul import matmul
+from .ops.moe import moe_route
+from .ops.moe_experts import moe_experts
 from .ops.norm import layer_norm, rms_norm
 from . import quant, runtime
 from .ops.rope import LAYOUTS as ROPE_LAYOUTS, apply_rope
@@ -68,6 +70,53 @@ class SwiGLUMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         return swiglu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+
+
+class MoEExperts(torch.nn.Module):
+    """The experts' weights as HF's Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE experts hold them:
+    gate_up_proj (E, 2I, H), gate rows first, and down_proj (E, H, I)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        # Each expert's rows drawn as a Linear of its fan-in would (variance 1 / fan_in).
+        self.gate_up_proj = torch.nn.Parameter(
+            torch.randn(num_experts, 2 * intermediate_size, hidden_size, **kw) * hidden_size**-0.5)
+        self.down_proj = torch.nn.Parameter(
+            torch.randn(num_experts, hidden_size, intermediate_size, **kw) * intermediate_size**-0.5)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+
+
+class MoE(torch.nn.Module):
+    """HF's Qwen3-MoE sparse block (the same state_dict keys: gate.weight (E, H),
+    experts.gate_up_proj, experts.down_proj) for models outside HF: router logits x @ gate^T,
+    softmax in float32 and the top k (renormalised when `normalize_top_k`, as Qwen3-MoE's
+    norm_topk_prob) through moe_route, then the dropless SwiGLU experts (moe_experts).
+    `forward(x, return_router_logits=True)` also returns the (tokens, E) logits, for an auxiliary
+    loss."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 normalize_top_k: bool = True, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts = {num_experts}], got {top_k}")
+        self.hidden_size, self.top_k, self.normalize_top_k = hidden_size, top_k, normalize_top_k
+        self.gate = torch.nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = MoEExperts(hidden_size, intermediate_size, num_experts, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE: x's last dimension must be hidden_size = {self.hidden_size}, got {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.hidden_size)
+        logits = matmul(tokens, self.gate.weight.t())
+        weights, experts = moe_route(logits, self.top_k, normalize=self.normalize_top_k)
+        out = self.experts(tokens, experts, weights).view(x.shape)
+        return (out, logits) if return_router_logits else out
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, normalize_top_k={self.normalize_top_k}"
 
 
 class LayerNorm(torch.nn.LayerNorm):
