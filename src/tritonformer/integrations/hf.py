@@ -34,8 +34,9 @@ What is swapped, per family (FAMILIES):
   rotary embedding keeps its tables for it. Packing told by position_ids alone is detected
   as HF detects it without a KV cache (HF's own training forward, which makes a cache by
   default, skips that check);
-- mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the experts module runs
-  `moe_experts` (experts_implementation="tritonformer", registered on import); a forward asked
+- mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the router runs `moe_route`
+  after HF's logits product, the experts module `moe_experts`
+  (experts_implementation="tritonformer", registered on import); a forward asked
   for router logits keeps HF's ForCausalLM forward (its load-balancing loss);
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
@@ -66,6 +67,7 @@ from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from ..ops import moe as moe_op
 from ..ops.moe_experts import moe_experts
 from ..ops.norm import add_rms_norm, rms_norm
 from ..ops.rope import apply_rope, qkv_rope
@@ -209,6 +211,27 @@ def _mlp_forward(hf_forward):
                 and not torch.is_autocast_enabled(x.device.type)):
             return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    forward.tritonformer_wraps = hf_forward
+    return forward
+
+
+def _router_forward(hf_forward, family: Family):
+    """The MoE router's forward with softmax, top-k, renormalisation and cast as one moe_route
+    launch each way (HF's: five to seven kernels forward, more backward); HF's logits product,
+    and HF's (logits, weights, indices) handed back, so its auxiliary loss sees the same logits."""
+
+    @functools.wraps(hf_forward)
+    def forward(self, hidden_states):
+        if (not 1 <= self.top_k <= moe_op.MAX_TOP_K or self.num_experts > moe_op.MAX_EXPERTS
+                or torch.is_autocast_enabled(hidden_states.device.type)):
+            return hf_forward(self, hidden_states)
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        # Mixtral always renormalises and keeps float32 weights; the others cast to the logits'.
+        normalize = True if family.float32_routing else self.norm_topk_prob
+        weights, experts = moe_op.moe_route(logits, self.top_k, normalize=normalize,
+                                            weights_dtype=torch.float32 if family.float32_routing else None)
+        return logits, weights, experts
 
     forward.tritonformer_wraps = hf_forward
     return forward
@@ -473,6 +496,12 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         else:
             width = mlp.gate_proj.out_features
             runtime.warm(swiglu, activation(batch, seq, width), activation(batch, seq, width))
+    # _router_forward's call.
+    router = getattr(layer.mlp, "gate", None)
+    if family.moe and type(router) is family.cls("TopKRouter"):
+        runtime.warm(moe_op.moe_route, activation(batch * seq, router.num_experts), router.top_k,
+                     True if family.float32_routing else router.norm_topk_prob, "softmax", None,
+                     torch.float32 if family.float32_routing else None)
     # _experts_forward's call, routed tokens of the batch to expert 0 (the kernels depend on shapes
     # and dtypes only); its stand-ins (weights, their gradients) are a layer's experts again, so
     # large or sharded experts compile on the first step instead.
@@ -680,6 +709,8 @@ def _replacements(family: Family) -> dict[type, object]:
         forwards[cls("Attention")] = _attention_forward(_hf_forward(cls("Attention")), family)
     if family.add_norm:
         forwards[cls("DecoderLayer")] = _decoder_layer_forward(_hf_forward(cls("DecoderLayer")), family)
+    if family.moe:
+        forwards[cls("TopKRouter")] = _router_forward(_hf_forward(cls("TopKRouter")), family)
     forwards[cls("RotaryEmbedding")] = _rotary_forward(_hf_forward(cls("RotaryEmbedding")))
     forwards[cls("ForCausalLM")] = _causal_lm_forward(_hf_forward(cls("ForCausalLM")), family)
     return forwards
@@ -695,7 +726,7 @@ def _patch_family(name: str) -> None:
 
 def _unpatch_family(name: str) -> None:
     family = FAMILIES[name]
-    for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "RotaryEmbedding", "ForCausalLM"):
+    for cls_suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "TopKRouter", "RotaryEmbedding", "ForCausalLM"):
         owner = getattr(family.module, family.prefix + cls_suffix, None)  # Mixtral has no dense MLP
         if owner is not None:
             _restore(owner, "forward")
