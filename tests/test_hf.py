@@ -596,14 +596,20 @@ def test_experts_with_their_own_gate_function_keep_hf_path(device, monkeypatch):
     assert not calls
 
 
-def test_moe_router_logits_keep_hf_loss_with_its_auxiliary_loss(device):
+def test_moe_router_logits_add_hfs_auxiliary_loss_to_the_fused_loss(device):
     model, reference = _models("qwen3_moe")
     model.to(device).train(), reference.to(device).train()
     ids = _ids(device)
     out = model(ids, labels=ids, output_router_logits=True)
     ref = reference(ids, labels=ids, output_router_logits=True)
-    assert out.aux_loss is not None and out.logits is not None
+    assert out.aux_loss is not None and out.logits is None  # the fused loss, HF's auxiliary loss added
     assert_close(out.loss, ref.loss.double(), torch.float32)
     assert_close(out.aux_loss, ref.aux_loss.double(), torch.float32)
+    assert len(out.router_logits) == len(ref.router_logits)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.loss, params)
+    ref_grads = torch.autograd.grad(ref.loss, [p for p in reference.parameters() if p.requires_grad])
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r.double(), torch.float32, "norm")
     hf.unpatch(model)
     assert model.config._experts_implementation == reference.config._experts_implementation

@@ -36,8 +36,8 @@ What is swapped, per family (FAMILIES):
   default, skips that check);
 - mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the router runs `moe_route`
   after HF's logits product, the experts module `moe_experts`
-  (experts_implementation="tritonformer", registered on import); a forward asked
-  for router logits keeps HF's ForCausalLM forward (its load-balancing loss);
+  (experts_implementation="tritonformer", registered on import); with router logits asked for,
+  HF's load-balancing loss joins the fused loss below;
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
   (not an FSDP2 shard), the ForCausalLM
   forward computes `fused_linear_cross_entropy` from the last hidden states and returns
@@ -537,13 +537,8 @@ def _causal_lm_forward(hf_forward, family: Family):
             self.__dict__[LINKED] = True
         labels, logits_to_keep = kwargs.get("labels"), kwargs.get("logits_to_keep", 0)
         # logits_to_keep with labels is HF's to reject (their batch sizes differ).
-        # Router logits (an MoE model's load-balancing loss joins HF's loss) take HF's forward.
-        router_logits = kwargs.get("output_router_logits")
-        if router_logits is None:
-            router_logits = getattr(self.config, "output_router_logits", False)
         fused = (labels is not None and self.training and _is_plain_linear(self.lm_head)
-                 and not _is_sharded(self.lm_head.weight) and not router_logits
-                 and isinstance(logits_to_keep, int) and logits_to_keep == 0)
+                 and not _is_sharded(self.lm_head.weight) and isinstance(logits_to_keep, int) and logits_to_keep == 0)
         if not fused:
             return hf_forward(self, input_ids, **kwargs)
         for name in ("labels", "logits_to_keep"):
@@ -565,6 +560,11 @@ def _causal_lm_forward(hf_forward, family: Family):
         # A loss-only step never reads a KV cache; HF's default (config.use_cache) would copy every
         # layer's K and V into one. An explicit use_cache=True still gets it.
         kwargs["use_cache"] = bool(kwargs.get("use_cache"))
+        # An MoE model asked for its router logits adds HF's load-balancing loss to the loss.
+        router_logits = family.moe and bool(kwargs.get("output_router_logits",
+                                                       getattr(self.config, "output_router_logits", False)))
+        if family.moe:
+            kwargs["output_router_logits"] = router_logits
         outputs = self.model(input_ids=input_ids, **kwargs)
         hidden = outputs.last_hidden_state
         target = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
@@ -576,9 +576,17 @@ def _causal_lm_forward(hf_forward, family: Family):
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, num_items_in_batch=num_items_in_batch)
+        extra = {}
+        if family.moe:
+            extra["aux_loss"] = extra["router_logits"] = None
+        if router_logits:
+            extra["router_logits"] = outputs.router_logits
+            extra["aux_loss"] = family.module.load_balancing_loss_func(
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask"))
+            loss = loss + self.router_aux_loss_coef * extra["aux_loss"].to(loss.device)
         output_cls = MoeCausalLMOutputWithPast if family.moe else CausalLMOutputWithPast
         out = output_cls(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                         attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
+                         attentions=outputs.attentions, **{cache: getattr(outputs, cache)}, **extra)
         return out if return_dict else out.to_tuple()
 
     forward.tritonformer_wraps = hf_forward
