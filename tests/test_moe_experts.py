@@ -10,6 +10,7 @@ from tritonformer.ops.moe_experts import (moe_combine, moe_dispatch, moe_experts
                                           moe_gather)
 from tritonformer.testing import assert_close
 
+from conftest import gpu_only
 from helpers import compile_fullgraph, foreign_device_tensor
 
 
@@ -61,6 +62,27 @@ def test_routing_extremes(device, routing):
         assert_close(g, r, torch.float32, "norm")
     if routing == "all-to-one-expert":
         assert (grads[2][[0, 1, 2, 4, 5]] == 0).all() and (grads[3][[0, 1, 2, 4, 5]] == 0).all()
+
+
+@gpu_only
+def test_dispatched_rows_past_two_to_the_31_elements():
+    """131072 tokens x top 8 x hidden 2048: the gathered rows, the down product's output and their
+    gradients hold 2^31 elements; tokens at both ends (and every expert's weights' gradient) must
+    be right."""
+    T, H, I, E, k = 2**17, 2048, 32, 8, 8
+    x, experts, weights, gate_up, down = _layer("cuda", T=T, H=H, I=I, E=E, k=k, dtype=torch.bfloat16)
+    out = moe_experts(x, experts, weights, gate_up, down)
+    assert T * k * H >= 2**31
+    dx, dgate_up = torch.autograd.grad(out, (x, gate_up), torch.ones_like(out))
+    for rows in (slice(0, 4), slice(T - 4, T)):
+        # A token's output, and its input's gradient under a gradient of ones, are its own alone.
+        x_rows = x[rows].detach().double().requires_grad_(True)
+        expected = moe_experts_reference(x_rows, experts[rows], weights[rows].double(), gate_up.double(),
+                                         down.double())
+        (expected_dx,) = torch.autograd.grad(expected.sum(), x_rows)
+        assert_close(out[rows], expected, torch.bfloat16, "norm")
+        assert_close(dx[rows], expected_dx, torch.bfloat16, "norm")
+    assert torch.isfinite(dgate_up).all() and (dgate_up.flatten(1).abs().amax(1) > 0).all()
 
 
 def test_int32_experts_and_float32_weights_of_bf16_activations(device):

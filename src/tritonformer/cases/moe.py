@@ -10,8 +10,9 @@ layer (16384 tokens x top 8 over 128 experts, hidden 2048, intermediate 768) and
 cuBLAS product of the same FLOPs.
 
 Cases of `moe_experts` (EXPERTS_SPEC): top 1 to 8, idle experts, every float dtype; the benchmark
-runs a Qwen3-30B-A3B-shaped experts block (16384 tokens, top 8 of 128 experts, hidden 2048,
-intermediate 768) forward and forward+backward against HF's grouped_mm experts (eager and under
+runs the experts block at Qwen3-30B-A3B's shape (16384 tokens, top 8 of 128 experts, hidden 2048,
+intermediate 768) and Mixtral's (top 2 of 8, hidden 4096, intermediate 14336), forward and
+forward+backward, against HF's loop over experts and its grouped_mm experts (eager and under
 torch.compile)."""
 
 from __future__ import annotations
@@ -239,33 +240,38 @@ def _hf_grouped_mm_experts():
     return forward
 
 
+# The experts block at the issue's two shapes: (name, tokens, hidden, intermediate, experts, top k).
+EXPERTS_BENCH_SHAPES = (("qwen3-30b-a3b", 16384, 2048, 768, 128, 8), ("mixtral", 16384, 4096, 14336, 8, 2))
+
+
 def experts_bench_cases() -> list[BenchCase]:
-    T, H, I, E, k, dtype = 16384, 2048, 768, 128, 8, torch.bfloat16
-    if runtime.INTERPRET:
-        T, H, I, E, k = 8, 32, 16, 4, 2
+    dtype = torch.bfloat16
+    shapes = (("tiny", 8, 32, 16, 4, 2),) if runtime.INTERPRET else EXPERTS_BENCH_SHAPES
     cases = []
-    for mode in ("fwd", "fwd+bwd"):
-        def setup(mode=mode):
-            grad = mode != "fwd"
-            inputs = _experts_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
-            dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
-            params = [inputs[i] for i in (0, 2, 3, 4)]
+    for name, T, H, I, E, k in shapes:
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(mode=mode, T=T, H=H, I=I, E=E, k=k):
+                grad = mode != "fwd"
+                inputs = _experts_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
+                dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
+                params = [inputs[i] for i in (0, 2, 3, 4)]
 
-            def run(forward):
-                return _work(forward, grad, params, dout)
+                def run(forward):
+                    return _work(forward, grad, params, dout)
 
-            hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
-            return Bench(peers.available({
-                "tritonformer": run(lambda: moe_experts(*inputs)),
-                "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
-                "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
-            }), reference=None if grad else lambda: moe_experts_reference(
-                *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
+                hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
+                return Bench(peers.available({
+                    "tritonformer": run(lambda: moe_experts(*inputs)),
+                    # HF's loop over experts (experts_implementation="eager"), in the inputs' dtype.
+                    "hf eager": None if runtime.INTERPRET else run(lambda: moe_experts_reference(*inputs)),
+                    "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
+                    "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
+                }), reference=None if grad else lambda: moe_experts_reference(
+                    *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
 
-        flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
-        cases.append(BenchCase("moe_experts", mode, dtype, f"T{T} E{E} top{k} H{H} I{I}", T, setup, flops=flops,
-                               plot=_plot(mode), quick=True,
-                               compare="norm"))
+            flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
+            cases.append(BenchCase("moe_experts", mode, dtype, f"{name} T{T} E{E} top{k} H{H} I{I}", T, setup,
+                                   flops=flops, plot=_plot(mode), quick=name != "mixtral", compare="norm"))
     return cases
 
 
