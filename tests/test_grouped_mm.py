@@ -29,6 +29,31 @@ def test_int64_ends_clamped_to_the_rows_and_the_rest_zero(device):
     assert (da[22:] == 0).all()
 
 
+def test_rows_past_the_last_end_are_zero_whatever_a_holds(device):
+    a, w = _operands(device)
+    a = a.detach().clone()
+    a[26:, 0] = float("nan")
+    a[29, 1] = float("inf")
+    out = grouped_mm(a, w.detach().transpose(1, 2), torch.tensor([4, 4, 19, 25], device=device))
+    assert (out[25:] == 0).all() and torch.isfinite(out[:25]).all()
+
+
+def test_column_major_rows_cut_at_any_group_start(device):
+    """A column-major a (and dout) cannot be read by TMA from a group's first row: pointer loads."""
+    a = torch.randn(24, 40, device=device).t()[:30].requires_grad_(True)  # (30, 24), column-major
+    w = torch.randn(3, 20, 24, device=device, requires_grad=True)
+    offs = torch.tensor([7, 7, 30], device=device)
+    out = grouped_mm(a, w.transpose(1, 2), offs)
+    dout = torch.randn(20, 30, device=device).t()  # column-major too
+    da, dw = torch.autograd.grad(out, (a, w), dout)
+    ad, wd = (t.detach().double().requires_grad_(True) for t in (a, w))
+    expected = grouped_mm_reference(ad, wd.transpose(1, 2), offs)
+    ra, rw = torch.autograd.grad(expected, (ad, wd), dout.double())
+    assert_close(out, expected, torch.float32)
+    assert_close(da, ra, torch.float32, "norm")
+    assert_close(dw, rw, torch.float32, "norm")
+
+
 def test_gradients_are_laid_out_as_the_operands(device):
     a, w = _operands(device)
     offs = torch.tensor([10, 10, 25, 30], device=device, dtype=torch.int32)

@@ -611,5 +611,10 @@ def test_moe_router_logits_add_hfs_auxiliary_loss_to_the_fused_loss(device):
     ref_grads = torch.autograd.grad(ref.loss, [p for p in reference.parameters() if p.requires_grad])
     for g, r in zip(grads, ref_grads):
         assert_close(g, r.double(), torch.float32, "norm")
+    # None means the config's choice, as in HF.
+    model.config.output_router_logits = reference.config.output_router_logits = True
+    out = model(ids, labels=ids, output_router_logits=None)
+    assert out.aux_loss is not None
+    assert_close(out.loss, reference(ids, labels=ids, output_router_logits=None).loss.double(), torch.float32)
     hf.unpatch(model)
     assert model.config._experts_implementation == reference.config._experts_implementation

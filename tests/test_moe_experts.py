@@ -181,6 +181,8 @@ def test_moe_module_is_hfs_qwen3_moe_block(device):
         assert_close(g, r, torch.float32, "norm")
     with pytest.raises(ValueError, match="top_k"):
         tnn.MoE(32, 24, num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="num_experts"):
+        tnn.MoE(32, 24, num_experts=2048, top_k=5)
     with pytest.raises(ValueError, match="hidden_size"):
         ours(torch.randn(3, 16, device=device))
 
@@ -190,6 +192,7 @@ def test_moe_module_is_hfs_qwen3_moe_block(device):
     (lambda a: dict(a, experts=a["experts"].float()), TypeError, "int32 or int64"),
     (lambda a: dict(a, weights=a["weights"].int()), TypeError, "float"),
     (lambda a: dict(a, down_proj=a["down_proj"][:, :, :-1]), ValueError, "down_proj"),
+    (lambda a: dict(a, down_proj=a["down_proj"].double()), TypeError, "x's dtype"),
     (lambda a: dict(a, weights=a["weights"][:, :1]), ValueError, "moe_experts takes"),
     (lambda a: dict(a, gate_up_proj=foreign_device_tensor()[:1, :1].expand(6, 48, 32)), ValueError, "is on"),
 ])

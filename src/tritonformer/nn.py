@@ -9,7 +9,7 @@ from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops import decode_attention as decode
 from .ops.matmul import matmul
-from .ops.moe import moe_route
+from .ops.moe import MAX_EXPERTS, MAX_TOP_K, moe_route
 from .ops.moe_experts import moe_experts
 from .ops.norm import layer_norm, rms_norm
 from . import quant, runtime
@@ -100,8 +100,10 @@ class MoE(torch.nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  normalize_top_k: bool = True, device=None, dtype=None):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts = {num_experts}], got {top_k}")
+        if not 1 <= num_experts <= MAX_EXPERTS:
+            raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+        if not 1 <= top_k <= min(num_experts, MAX_TOP_K):
+            raise ValueError(f"top_k must be in [1, min(num_experts, {MAX_TOP_K})], got {top_k}")
         self.hidden_size, self.top_k, self.normalize_top_k = hidden_size, top_k, normalize_top_k
         self.gate = torch.nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = MoEExperts(hidden_size, intermediate_size, num_experts, device=device, dtype=dtype)

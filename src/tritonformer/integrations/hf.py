@@ -216,6 +216,11 @@ def _mlp_forward(hf_forward):
     return forward
 
 
+def _routes_with_moe_route(router: torch.nn.Module) -> bool:
+    """Whether moe_route takes this router's experts and top k."""
+    return 1 <= router.top_k <= moe_op.MAX_TOP_K and router.num_experts <= moe_op.MAX_EXPERTS
+
+
 def _router_forward(hf_forward, family: Family):
     """The MoE router's forward with softmax, top-k, renormalisation and cast as one moe_route
     launch each way (HF's: five to seven kernels forward, more backward); HF's logits product,
@@ -223,8 +228,7 @@ def _router_forward(hf_forward, family: Family):
 
     @functools.wraps(hf_forward)
     def forward(self, hidden_states):
-        if (not 1 <= self.top_k <= moe_op.MAX_TOP_K or self.num_experts > moe_op.MAX_EXPERTS
-                or torch.is_autocast_enabled(hidden_states.device.type)):
+        if not _routes_with_moe_route(self) or torch.is_autocast_enabled(hidden_states.device.type):
             return hf_forward(self, hidden_states)
         logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
         # Mixtral always renormalises and keeps float32 weights; the others cast to the logits'.
@@ -498,7 +502,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
             runtime.warm(swiglu, activation(batch, seq, width), activation(batch, seq, width))
     # _router_forward's call.
     router = getattr(layer.mlp, "gate", None)
-    if family.moe and type(router) is family.cls("TopKRouter"):
+    if family.moe and type(router) is family.cls("TopKRouter") and _routes_with_moe_route(router):
         runtime.warm(moe_op.moe_route, activation(batch * seq, router.num_experts), router.top_k,
                      True if family.float32_routing else router.norm_topk_prob, "softmax", None,
                      torch.float32 if family.float32_routing else None)
@@ -561,8 +565,10 @@ def _causal_lm_forward(hf_forward, family: Family):
         # layer's K and V into one. An explicit use_cache=True still gets it.
         kwargs["use_cache"] = bool(kwargs.get("use_cache"))
         # An MoE model asked for its router logits adds HF's load-balancing loss to the loss.
-        router_logits = family.moe and bool(kwargs.get("output_router_logits",
-                                                       getattr(self.config, "output_router_logits", False)))
+        router_logits = kwargs.get("output_router_logits")
+        if router_logits is None:  # as HF reads it: None means the config's
+            router_logits = getattr(self.config, "output_router_logits", False)
+        router_logits = family.moe and bool(router_logits)
         if family.moe:
             kwargs["output_router_logits"] = router_logits
         outputs = self.model(input_ids=input_ids, **kwargs)

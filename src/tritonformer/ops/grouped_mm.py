@@ -87,12 +87,12 @@ def _group_bounds(offs_ptr, g, M, E):
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
+    B_TRANS: tl.constexpr, POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # a_ptr and b_ptr are host_descriptors over (1, M, K) and (E, K, N), or with POINTER_LOADS
-    # plain pointers read through their strides, masked.
+    # a_ptr and b_ptr are host_descriptors over (1, M, K), row-major, and (E, K, N), or with
+    # POINTER_LOADS plain pointers read through their strides, masked.
     # Output tiles of each group, group after group; group E (the rows past the last end) is
     # stored as zeros, so that an output never holds stale memory.
     g = tl.arange(0, BLOCK_E)
@@ -126,11 +126,13 @@ def _grouped_mm_kernel(
             else:
                 # Rows past the group's end are read (the next group's) but never stored; group E
                 # reads b past its last matrix, which TMA fills with zeros.
-                a = load_tile(a_ptr, 0, off_m, off_k, BLOCK_M, BLOCK_K, A_TRANS)
+                a = load_tile(a_ptr, 0, off_m, off_k, BLOCK_M, BLOCK_K, False)
                 b = load_tile(b_ptr, group, off_k, off_n, BLOCK_K, BLOCK_N, B_TRANS)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # Group E's rows are zeros whatever a holds there (0 x inf in the products is NaN).
+        acc = tl.where(group < E, acc, 0.0)
         c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < row_end)[:, None] & (rn < N)[None, :])
 
@@ -140,12 +142,12 @@ def _grouped_mm_kernel(
 def _grouped_mm_db_kernel(
     a_desc, dc_desc, a_ptr, dc_ptr, db_ptr, offs_ptr, M, N, K, E,
     stride_am, stride_ak, stride_dcm, stride_dcn, stride_dbe, stride_dbk, stride_dbn,
-    A_TRANS: tl.constexpr, DC_TRANS: tl.constexpr, POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
+    POINTER_LOADS: tl.constexpr, UPCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """db[g][k tile, n tile] = the sum over group g's rows, BLOCK_M at a time in order, of
     a_rows^T @ dc_rows. The group's whole blocks of rows come through TMA (a_desc and dc_desc:
-    host_descriptors over (1, M, K) and (1, M, N)); the last, partial block (every block with
+    host_descriptors over row-major (1, M, K) and (1, M, N)); the last, partial block (every block with
     POINTER_LOADS) through masked pointer loads, since TMA would read the next group's rows."""
     g = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -159,8 +161,8 @@ def _grouped_mm_db_kernel(
     if not POINTER_LOADS:
         whole_end = start + (end - start) // BLOCK_M * BLOCK_M
         for r0 in range(start, whole_end, BLOCK_M):
-            a = load_tile(a_desc, 0, r0, off_k, BLOCK_M, BLOCK_K, A_TRANS)
-            dc = load_tile(dc_desc, 0, r0, off_n, BLOCK_M, BLOCK_N, DC_TRANS)
+            a = load_tile(a_desc, 0, r0, off_k, BLOCK_M, BLOCK_K, False)
+            dc = load_tile(dc_desc, 0, r0, off_n, BLOCK_M, BLOCK_N, False)
             if UPCAST:
                 a, dc = a.to(tl.float32), dc.to(tl.float32)
             acc = tl.dot(tl.trans(a), dc, acc, input_precision=INPUT_PRECISION)
@@ -191,18 +193,20 @@ def _consts(dtype: torch.dtype) -> dict:
     return dict(UPCAST=runtime.INTERPRET and dtype == torch.bfloat16, INPUT_PRECISION=runtime.input_precision(dtype))
 
 
-def _tune_key(kind: str, dtype: torch.dtype, M: int, N: int, K: int, E: int, pointer_loads: bool) -> tuple:
+def _tune_key(kind: str, dtype: torch.dtype, M: int, N: int, K: int, E: int, consts: dict) -> tuple:
     # Token counts change from batch to batch: tuned once per power-of-two bucket of M.
-    return (kind, dtype, runtime.next_power_of_2(max(M, 1)), N, K, E, pointer_loads)
+    return (kind, dtype, runtime.next_power_of_2(max(M, 1)), N, K, E, consts.get("B_TRANS"), consts["POINTER_LOADS"])
 
 
-def _layouts(operands: tuple[tuple[torch.Tensor, tuple[int, int, int], tuple[int, int, int]], ...]):
+def _layouts(row_sliced: tuple, others: tuple = ()):
     """(strides, transposed) of each (tensor, (batch, rows, cols), strides) as TMA reads it in
-    place, or None when one of them cannot be (the kernels then use masked pointer loads)."""
+    place, or None when one of them cannot be (the kernels then use masked pointer loads). The
+    row_sliced operands, read from any row where a group starts, must be row-major: a box of a
+    column-major one would start at an unaligned address."""
     layouts = []
-    for t, shape, strides in operands:
+    for i, (t, shape, strides) in enumerate(row_sliced + others):
         layout = tma_layout(t, shape, strides) if t.numel() else None
-        if layout is None:
+        if layout is None or (i < len(row_sliced) and layout[1]):
             return None
         layouts.append(layout)
     return layouts
@@ -220,7 +224,7 @@ def grouped_mm_fwd(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
     if M == 0 or N == 0:
         return c
     a_strides = one_matrix_strides(a)
-    layouts = _layouts(((a, (1, M, K), a_strides), (b, (E, K, N), b.stride())))
+    layouts = _layouts(((a, (1, M, K), a_strides),), ((b, (E, K, N), b.stride()),))
     element_size = a.element_size()
 
     def grid(meta):
@@ -228,16 +232,16 @@ def grouped_mm_fwd(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
         return (min(tiles, runtime.num_sms(a.device.index or 0) * programs_per_sm(meta, element_size)),)
 
     scalars = (M, N, K, E, *a.stride(), *b.stride(), *c.stride())
-    consts = dict(**_consts(a.dtype), A_TRANS=bool(layouts and layouts[0][1]), B_TRANS=bool(layouts and layouts[1][1]),
-                  POINTER_LOADS=layouts is None, BLOCK_E=runtime.next_power_of_2(E + 1), GROUP_M=GROUP_M)
+    consts = dict(**_consts(a.dtype), B_TRANS=bool(layouts and layouts[1][1]), POINTER_LOADS=layouts is None,
+                  BLOCK_E=runtime.next_power_of_2(E + 1), GROUP_M=GROUP_M)
 
     def fitted(config):
-        (a_st, a_trans), (b_st, b_trans) = layouts
-        descriptors = (host_descriptor(a, (1, M, K), a_st, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
+        (a_st, _), (b_st, b_trans) = layouts
+        descriptors = (host_descriptor(a, (1, M, K), a_st, False, config["BLOCK_M"], config["BLOCK_K"]),
                        host_descriptor(b, (E, K, N), b_st, b_trans, config["BLOCK_K"], config["BLOCK_N"]))
         return (*descriptors, c, offs, *scalars), consts
 
-    _launch_fwd(_tune_key("fwd", a.dtype, M, N, K, E, layouts is None), grid, a, b, c, offs, *scalars, **consts,
+    _launch_fwd(_tune_key("fwd", a.dtype, M, N, K, E, consts), grid, a, b, c, offs, *scalars, **consts,
                 fitted=None if layouts is None else fitted)
     return c
 
@@ -257,16 +261,15 @@ def grouped_mm_db(a: torch.Tensor, dc: torch.Tensor, offs: torch.Tensor, b: torc
     # Tiles on axis 0 (up to 2^31 - 1 programs; axis 1 takes 65535): a large expert has many.
     grid = lambda meta: (runtime.cdiv(K, meta["BLOCK_K"]) * runtime.cdiv(N, meta["BLOCK_N"]), E)
     scalars = (M, N, K, E, *a.stride(), *dc.stride(), *db.stride())
-    consts = dict(**_consts(a.dtype), A_TRANS=bool(layouts and layouts[0][1]),
-                  DC_TRANS=bool(layouts and layouts[1][1]), POINTER_LOADS=layouts is None)
+    consts = dict(**_consts(a.dtype), POINTER_LOADS=layouts is None)
 
     def fitted(config):
-        (a_st, a_trans), (dc_st, dc_trans) = layouts
-        descriptors = (host_descriptor(a, (1, M, K), a_st, a_trans, config["BLOCK_M"], config["BLOCK_K"]),
-                       host_descriptor(dc, (1, M, N), dc_st, dc_trans, config["BLOCK_M"], config["BLOCK_N"]))
+        (a_st, _), (dc_st, _) = layouts
+        descriptors = (host_descriptor(a, (1, M, K), a_st, False, config["BLOCK_M"], config["BLOCK_K"]),
+                       host_descriptor(dc, (1, M, N), dc_st, False, config["BLOCK_M"], config["BLOCK_N"]))
         return (*descriptors, a, dc, db, offs, *scalars), consts
 
-    _launch_db(_tune_key("db", a.dtype, M, N, K, E, layouts is None), grid, a, dc, a, dc, db, offs, *scalars,
+    _launch_db(_tune_key("db", a.dtype, M, N, K, E, consts), grid, a, dc, a, dc, db, offs, *scalars,
                **consts, fitted=None if layouts is None else fitted)
     return db
 

@@ -209,6 +209,9 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
         raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"weights must be a float tensor, got {weights.dtype}")
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        raise TypeError(f"gate_up_proj and down_proj must have x's dtype ({x.dtype}), got {gate_up_proj.dtype} "
+                        f"and {down_proj.dtype}")
     if gate_up_proj.dim() != 3:
         raise ValueError(f"gate_up_proj must be (E, 2I, H), got {tuple(gate_up_proj.shape)}")
     E, two_i, H = gate_up_proj.shape
