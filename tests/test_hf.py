@@ -100,10 +100,12 @@ def _relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def test_bf16_model_is_as_close_to_float32_as_hf_in_bf16(device):
+@pytest.mark.parametrize("family", ["llama"] + [name for name, f in hf.FAMILIES.items() if f.moe])
+def test_bf16_model_is_as_close_to_float32_as_hf_in_bf16(device, family):
     """Ours and HF's bf16 runs each differ from the float32 model by bf16 rounding: ours may not
-    be further off than twice HF's own distance (or 1% for gradients)."""
-    model, reference = _models("llama", torch.bfloat16)
+    be further off than twice HF's own distance (or 1% for gradients). The MoE families route
+    and run their experts in bf16 too."""
+    model, reference = _models(family, torch.bfloat16)
     exact = copy.deepcopy(reference).float()
     ids = _ids(device)
     losses, grads = [], []
