@@ -187,6 +187,17 @@ def test_moe_module_is_hfs_qwen3_moe_block(device):
         ours(torch.randn(3, 16, device=device))
 
 
+@pytest.mark.parametrize("bad", [-1, 6])
+def test_an_expert_index_out_of_range_is_named_on_the_cpu(device, bad):
+    if device != "cpu":
+        pytest.skip("on the GPU it is a device-side assert, which ends the process's CUDA context")
+    x, experts, weights, gate_up, down = _layer(device)
+    experts = experts.clone()
+    experts[3, 1] = bad
+    with pytest.raises(ValueError, match=r"experts holds an index outside \[0, 6\)"):
+        moe_experts(x, experts, weights, gate_up, down)
+
+
 @pytest.mark.parametrize("change,error,match", [
     (lambda a: dict(a, x=a["x"][None]), ValueError, "moe_experts takes"),
     (lambda a: dict(a, experts=a["experts"].float()), TypeError, "int32 or int64"),

@@ -26,15 +26,22 @@ from .swiglu import swiglu_bwd_concat, swiglu_fwd
 COMBINE_BLOCK_N = 1024
 
 
-@triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, N, stride_y, stride_pt, stride_pk, stride_wt, stride_wk,
-                    stride_o, TOP_K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr):
+# The combine kernel asserts that each slot's expert is in [0, E) (CHECK_E), as HF's loop does on
+# the GPU (one_hot's device-side assert): debug=True compiles the assert in, and the launch turns
+# off the integer-overflow checks that debug would add. Checking on the host would wait for the GPU.
+@triton.jit(debug=not runtime.INTERPRET)
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, e_ptr, out_ptr, N, E, stride_y, stride_pt, stride_pk, stride_wt,
+                    stride_wk, stride_et, stride_ek, stride_o, TOP_K: tl.constexpr, HAS_W: tl.constexpr,
+                    CHECK_E: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[t] = sum over j, in order, of w[t, j] * y[pos[t, j]] (w = 1 without HAS_W), in float32."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
+        if CHECK_E:
+            e = tl.load(e_ptr + t * stride_et + j * stride_ek)
+            tl.device_assert((e >= 0) & (e < E), "moe_experts: an index in experts is outside [0, num_experts)")
         p = tl.load(pos_ptr + t * stride_pt + j * stride_pk).to(tl.int64)
         y = tl.load(y_ptr + p * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_W:
@@ -72,22 +79,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _fake_combine(y, positions, weights):
+def _fake_combine(y, positions, weights, experts=None, num_experts=0):
     return y.new_empty((positions.shape[0], y.shape[1]))
 
 
 @runtime.custom_op("moe_combine_fwd", fake=_fake_combine)
-def moe_combine_fwd(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """(T, N): each token's rows of y weighted (or summed, without weights)."""
+def moe_combine_fwd(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None,
+                    experts: torch.Tensor | None = None, num_experts: int = 0) -> torch.Tensor:
+    """(T, N): each token's rows of y weighted (or summed, without weights); with experts (T, k),
+    a device-side assert that each is in [0, num_experts)."""
     y = _rows(y)
     (T, k), N = positions.shape, y.shape[1]
     out = runtime.empty((T, N), y.dtype, y.device)
     if out.numel() == 0:
         return out.zero_()
     w = weights if weights is not None else positions
+    e = experts if experts is not None else positions
     block = min(COMBINE_BLOCK_N, runtime.next_power_of_2(N))
-    _launch_combine((T, runtime.cdiv(N, block)), y, positions, w, out, N, y.stride(0), *positions.stride(),
-                    *w.stride(), out.stride(0), TOP_K=k, HAS_W=weights is not None, BLOCK_N=block, num_warps=4)
+    launch = {} if runtime.INTERPRET else {"sanitize_overflow": False}
+    _launch_combine((T, runtime.cdiv(N, block)), y, positions, w, e, out, N, num_experts, y.stride(0),
+                    *positions.stride(), *w.stride(), *e.stride(), out.stride(0), TOP_K=k, HAS_W=weights is not None,
+                    CHECK_E=experts is not None, BLOCK_N=block, num_warps=4, **launch)
     return out
 
 
@@ -114,15 +126,15 @@ def moe_combine_bwd(dout: torch.Tensor, y: torch.Tensor, positions: torch.Tensor
 
 class MoECombineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, positions, weights):
+    def forward(ctx, y, positions, weights, experts, num_experts):
         ctx.save_for_backward(y, positions, weights)
-        return moe_combine_fwd(y, positions, weights)
+        return moe_combine_fwd(y, positions, weights, experts, num_experts)
 
     @staticmethod
     def backward(ctx, dout):
         y, positions, weights = ctx.saved_tensors
         dy, dw = moe_combine_bwd(dout, y, positions, weights)
-        return dy, None, dw
+        return dy, None, dw, None, None
 
 
 class MoEGatherFunction(torch.autograd.Function):
@@ -188,11 +200,13 @@ def moe_gather(x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -
     return x.index_select(0, tokens)
 
 
-def moe_combine(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out (T, N) in y's dtype: out[t] = sum over j of weights[t, j] * y[positions[t, j]]."""
+def moe_combine(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor | None = None,
+                num_experts: int = 0) -> torch.Tensor:
+    """out (T, N) in y's dtype: out[t] = sum over j of weights[t, j] * y[positions[t, j]]; given
+    the routing's experts (T, k), a device-side assert that each is in [0, num_experts)."""
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
-        return runtime.apply(MoECombineFunction, y, positions, weights)
-    return moe_combine_fwd(y, positions, weights)
+        return runtime.apply(MoECombineFunction, y, positions, weights, experts, num_experts)
+    return moe_combine_fwd(y, positions, weights, experts, num_experts)
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -219,6 +233,10 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
         raise ValueError(f"gate_up_proj must be (E, 2I, H) and down_proj (E, H, I) with H = {x.shape[1]}, got "
                          f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
     runtime.check_same_device(x=x, experts=experts, weights=weights, gate_up_proj=gate_up_proj, down_proj=down_proj)
+    # On the GPU the combine kernel asserts this on the device (a host look would wait for it).
+    if (runtime.INTERPRET and not torch.compiler.is_compiling() and experts.numel()
+            and not bool(((experts >= 0) & (experts < E)).all())):
+        raise ValueError(f"experts holds an index outside [0, {E}) (gate_up_proj has {E} experts)")
     tokens, positions, ends = moe_dispatch(experts, E)
     rows = moe_gather(x, tokens, positions)
     if torch.is_grad_enabled() and (rows.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad):
@@ -227,7 +245,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
         gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
         inter = gate_up_proj.shape[1] // 2
         y = grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends)
-    return moe_combine(y, positions, weights)
+    return moe_combine(y, positions, weights, experts, E)
 
 
 def moe_experts_reference(x, experts, weights, gate_up_proj, down_proj):
