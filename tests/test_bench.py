@@ -267,7 +267,7 @@ def test_e2e_trains_the_mixture_of_experts_model(tmp_path):
     rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer")]
     assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
     report = e2e.write_report(rows, sizes, tmp_path)
-    assert report.name == "e2e-qwen3-moe.md" and "4 experts of intermediate 32 (top 2)" in report.read_text()
+    assert report.name == "e2e-qwen3-moe.md" and "4 experts of intermediate 32 (top 2;" in report.read_text()
 
 
 @pytest.mark.skipif(not runtime.INTERPRET, reason="names of the CPU's peers")

@@ -205,8 +205,8 @@ def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
         "",
         f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
         f"{sizes['heads']} heads ({sizes['kv_heads']} KV), vocab {sizes['vocab']}"
-        + (f", {sizes['experts']} experts of intermediate {sizes['expert_intermediate']} (top {sizes['top_k']})"
-           if "experts" in sizes else "") +
+        + (f", {sizes['experts']} experts of intermediate {sizes['expert_intermediate']} (top {sizes['top_k']}; "
+           "the HF stacks run transformers' default experts, grouped_mm)" if "experts" in sizes else "") +
         f"{' (tied embeddings)' if sizes.get('tied') else ''}, batch {sizes['batch']} x "
         f"{sizes['seq']} tokens, {sizes['steps']} steps of AdamW; warm-up = the first {WARMUP_STEPS} steps, "
         "from empty Triton and Inductor caches (a first run); "
