@@ -221,6 +221,14 @@ def _routes_with_moe_route(router: torch.nn.Module) -> bool:
     return 1 <= router.top_k <= moe_op.MAX_TOP_K and router.num_experts <= moe_op.MAX_EXPERTS
 
 
+def _route_options(router: torch.nn.Module, family: Family) -> dict:
+    """moe_route's normalize and weights_dtype for the router: Mixtral always renormalises and
+    keeps float32 weights; the others renormalise as configured and cast to the logits' dtype."""
+    if family.float32_routing:
+        return dict(normalize=True, weights_dtype=torch.float32)
+    return dict(normalize=router.norm_topk_prob, weights_dtype=None)
+
+
 def _router_forward(hf_forward, family: Family):
     """The MoE router's forward with softmax, top-k, renormalisation and cast as one moe_route
     launch each way (HF's: five to seven kernels forward, more backward); HF's logits product,
@@ -231,10 +239,7 @@ def _router_forward(hf_forward, family: Family):
         if not _routes_with_moe_route(self) or torch.is_autocast_enabled(hidden_states.device.type):
             return hf_forward(self, hidden_states)
         logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        # Mixtral always renormalises and keeps float32 weights; the others cast to the logits'.
-        normalize = True if family.float32_routing else self.norm_topk_prob
-        weights, experts = moe_op.moe_route(logits, self.top_k, normalize=normalize,
-                                            weights_dtype=torch.float32 if family.float32_routing else None)
+        weights, experts = moe_op.moe_route(logits, self.top_k, **_route_options(self, family))
         return logits, weights, experts
 
     forward.tritonformer_wraps = hf_forward
@@ -504,8 +509,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     router = getattr(layer.mlp, "gate", None)
     if family.moe and type(router) is family.cls("TopKRouter") and _routes_with_moe_route(router):
         runtime.warm(moe_op.moe_route, activation(batch * seq, router.num_experts), router.top_k,
-                     True if family.float32_routing else router.norm_topk_prob, "softmax", None,
-                     torch.float32 if family.float32_routing else None)
+                     **_route_options(router, family))
     # _experts_forward's call, routed tokens of the batch to expert 0 (the kernels depend on shapes
     # and dtypes only); its stand-ins (weights, their gradients) are a layer's experts again, so
     # large or sharded experts compile on the first step instead.
@@ -582,9 +586,7 @@ def _causal_lm_forward(hf_forward, family: Family):
             bias = None if bias is None else bias.to(dtype)
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
                                           ignore_index, num_items_in_batch=num_items_in_batch)
-        extra = {}
-        if family.moe:
-            extra["aux_loss"] = extra["router_logits"] = None
+        extra = dict(aux_loss=None, router_logits=None) if family.moe else {}
         if router_logits:
             extra["router_logits"] = outputs.router_logits
             extra["aux_loss"] = family.module.load_balancing_loss_func(

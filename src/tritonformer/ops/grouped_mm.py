@@ -32,28 +32,23 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROWS = 2**31 - 1024
 
 
-def _config(bm, bn, bk, stages, warps):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
-
-
-def _fwd_configs():
+def _configs(*tiles: tuple[int, int, int, int, int]) -> list[triton.Config]:
+    """Configs of (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); the interpreter runs one small tile
+    (fewer programs)."""
     if runtime.INTERPRET:
-        return [_config(32, 64, 32, 1, 4)]
-    return [_config(128, 256, 64, 3, 8), _config(128, 256, 64, 4, 8), _config(256, 128, 64, 3, 8),
-            _config(128, 128, 64, 4, 8), _config(128, 128, 128, 3, 8), _config(64, 256, 64, 4, 4),
-            _config(64, 128, 64, 4, 4)]
+        tiles = ((32, 64, 32, 1, 4),)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=stages, num_warps=warps)
+            for bm, bn, bk, stages, warps in tiles]
 
 
-def _db_configs():
-    """BLOCK_K x BLOCK_N of db a program, its group's rows BLOCK_M at a time."""
-    if runtime.INTERPRET:
-        return [_config(32, 64, 32, 1, 4)]
-    # Short row loops (a thousand rows a group): the candidates include tiles of which two fit an
-    # SM, one's first loads and last stores under the other's products; at the Qwen3-30B-A3B shape
-    # the tuner still chose 64 rows x (128 x 256), one an SM (docs/moe.md).
-    return [_config(64, 128, 128, 3, 8), _config(64, 128, 128, 2, 8), _config(32, 128, 128, 4, 8),
-            _config(64, 128, 128, 4, 8), _config(128, 128, 128, 2, 8), _config(64, 256, 128, 3, 8),
-            _config(64, 128, 64, 4, 4)]
+FWD_CONFIGS = _configs((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8),
+                       (128, 128, 128, 3, 8), (64, 256, 64, 4, 4), (64, 128, 64, 4, 4))
+# dB: BLOCK_K x BLOCK_N of db a program, its group's rows BLOCK_M at a time. Short row loops (a
+# thousand rows a group): the candidates include tiles of which two fit an SM, one's first loads
+# and last stores under the other's products; at the Qwen3-30B-A3B shape the tuner still chose
+# 64 rows x (128 x 256), one an SM (docs/moe.md).
+DB_CONFIGS = _configs((64, 128, 128, 3, 8), (64, 128, 128, 2, 8), (32, 128, 128, 4, 8), (64, 128, 128, 4, 8),
+                      (128, 128, 128, 2, 8), (64, 256, 128, 3, 8), (64, 128, 64, 4, 4))
 
 
 def _prune(configs, named_args, **kwargs):
@@ -72,18 +67,24 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _clamped(row, M):
+    """An offset read from offs as an int32 row in [0, M]."""
+    return tl.minimum(tl.maximum(row.to(tl.int32), 0), M)
+
+
+@triton.jit
 def _group_bounds(offs_ptr, g, M, E):
     """(first row, end row) of group g <= E (group E: the rows past the last end), clamped to [0, M]."""
     end = M
     if g < E:
-        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g).to(tl.int32), 0), M)
+        end = _clamped(tl.load(offs_ptr + g), M)
     start = 0
     if g > 0:
-        start = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1).to(tl.int32), 0), M)
+        start = _clamped(tl.load(offs_ptr + g - 1), M)
     return start, tl.maximum(end, start)
 
 
-@runtime.autotune(configs=_fwd_configs(), prune_configs_by={"early_config_prune": _prune})
+@runtime.autotune(configs=FWD_CONFIGS, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, M, N, K, E,
@@ -97,8 +98,8 @@ def _grouped_mm_kernel(
     # Output tiles of each group, group after group; group E (the rows past the last end) is
     # stored as zeros, so that an output never holds stale memory.
     g = tl.arange(0, BLOCK_E)
-    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + g, mask=g < E, other=M).to(tl.int32), 0), M)
-    starts = tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0).to(tl.int32), 0), M)
+    ends = _clamped(tl.load(offs_ptr + g, mask=g < E, other=M), M)
+    starts = _clamped(tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= E), other=0), M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.where(g <= E, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0) * tiles_n
     tiles_through = tl.cumsum(tiles, 0)  # tiles of groups 0..g
@@ -138,7 +139,7 @@ def _grouped_mm_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < row_end)[:, None] & (rn < N)[None, :])
 
 
-@runtime.autotune(configs=_db_configs(), prune_configs_by={"early_config_prune": _prune})
+@runtime.autotune(configs=DB_CONFIGS, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_mm_db_kernel(
     a_desc, dc_desc, a_ptr, dc_ptr, db_ptr, offs_ptr, M, N, K, E,

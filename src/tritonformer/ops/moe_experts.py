@@ -149,6 +149,13 @@ class MoEGatherFunction(torch.autograd.Function):
         return moe_combine_fwd(drows, positions, None), None, None
 
 
+def _experts_mlp(rows, gate_up_proj, down_proj, ends) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, [gate | up]): the experts' SwiGLU MLP on their sorted rows."""
+    gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
+    inter = gate_up_proj.shape[1] // 2
+    return grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends), gate_up
+
+
 class ExpertsMLPFunction(torch.autograd.Function):
     """y = grouped_mm(swiglu(gate, up), down_proj^T) with [gate | up] = grouped_mm(rows,
     gate_up_proj^T): one node, saving rows and [gate | up]; the backward writes [dgate | dup] into
@@ -156,9 +163,7 @@ class ExpertsMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, gate_up_proj, down_proj, ends):
-        gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
-        inter = gate_up_proj.shape[1] // 2
-        y = grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends)
+        y, gate_up = _experts_mlp(rows, gate_up_proj, down_proj, ends)
         ctx.save_for_backward(rows, gate_up, gate_up_proj, down_proj, ends)
         return y
 
@@ -242,9 +247,7 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     if torch.is_grad_enabled() and (rows.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad):
         y = runtime.apply(ExpertsMLPFunction, rows, gate_up_proj, down_proj, ends)
     else:
-        gate_up = grouped_mm_fwd(rows, gate_up_proj.transpose(1, 2), ends)
-        inter = gate_up_proj.shape[1] // 2
-        y = grouped_mm_fwd(swiglu_fwd(gate_up[:, :inter], gate_up[:, inter:]), down_proj.transpose(1, 2), ends)
+        y, _ = _experts_mlp(rows, gate_up_proj, down_proj, ends)
     return moe_combine(y, positions, weights, experts, E)
 
 
