@@ -1,9 +1,13 @@
-"""GPU time of one training step of bench e2e's model, by kernel (torch.profiler), for one stack,
+"""GPU time of one training step of a bench e2e model, by kernel (torch.profiler), for one stack,
 and where the GPU sits idle: the step's wall time (synchronised, as bench e2e times it) against
 the kernels' busy time, and the longest gaps between kernels with the kernels either side. On the
 GPU machine:
 
-    python scripts/profile_step.py [--stack tritonformer|hf-eager|hf+liger] [--top 30] [--gaps 15]
+    python scripts/profile_step.py [--model e2e|smollm2-135m|qwen2.5-0.5b|qwen3-moe]
+        [--stack tritonformer|hf-eager|hf+liger|hf+torch.compile|tritonformer+torch.compile]
+        [--top 30] [--gaps 15]
+
+Under torch.compile it also prints dynamo's graph count and graph breaks (by reason).
 """
 
 import argparse
@@ -75,7 +79,9 @@ def print_gaps(prof, count: int, stacks: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stack", default="tritonformer", choices=["tritonformer", "hf-eager", "hf+liger"])
+    parser.add_argument("--stack", default="tritonformer", choices=["tritonformer", "hf-eager", "hf+liger",
+                                                                    "hf+torch.compile", "tritonformer+torch.compile"])
+    parser.add_argument("--model", default="e2e", help="a bench e2e model name (bench.e2e.MODELS)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--gaps", type=int, default=15, help="longest idle gaps listed")
     parser.add_argument("--stacks", action="store_true", help="Python frames at each gap's next launch (slower steps)")
@@ -87,23 +93,26 @@ def main() -> None:
     args = parser.parse_args()
 
     import tritonformer  # noqa: F401  (before transformers)
-    from tritonformer.bench.e2e import FULL, make_model
+    from tritonformer.bench.e2e import MODELS, make_model
 
+    sizes = MODELS[args.model]
+    family = sizes["family"]
     if args.stack == "hf+liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama()
+        import liger_kernel.transformers
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{family}")()
 
-    model = make_model(FULL, "cuda", torch.bfloat16)
-    if args.stack == "tritonformer":
+    model = make_model(sizes, "cuda", torch.bfloat16)
+    if args.stack.startswith("tritonformer"):
         from tritonformer.integrations import hf
         for feature in filter(None, args.off.split(",")):
-            setattr(hf.FAMILIES["llama"], feature, False)
+            setattr(hf.FAMILIES[family], feature, False)
         hf.patch(model)
+    step_model = torch.compile(model) if args.stack.endswith("torch.compile") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    data = torch.randint(0, FULL["vocab"], (FULL["batch"], FULL["seq"]), device="cuda")
+    data = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]), device="cuda")
 
     def forward():
-        return model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
+        return step_model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
 
     def step():
         loss = forward()
@@ -183,7 +192,10 @@ def main() -> None:
     if args.gemms:
         print_matmuls(prof)
     print_gaps(prof, args.gaps, args.stacks)
-    if args.stack == "tritonformer":
+    if args.stack.endswith("torch.compile"):
+        from torch._dynamo.utils import counters
+        print(f"dynamo: {counters['stats']['unique_graphs']} graphs; graph breaks: {dict(counters['graph_break'])}")
+    if args.stack.startswith("tritonformer"):
         from tritonformer import runtime
         for kernel, chosen in runtime.TunedLauncher.chosen_configs().items():
             print(f"autotuned {kernel}: {chosen}")

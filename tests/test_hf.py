@@ -346,6 +346,12 @@ def test_patched_training_step_compiles_without_graph_breaks(device):
 
     explain = torch._dynamo.explain(step)(ids)
     assert explain.graph_break_count == 0, [str(b.reason) for b in explain.break_reasons]
+    # No position_ids, mask or cache: HF's traced packing check must not turn the causal mask into
+    # a full one, which would send attention to SDPA instead of our kernel.
+    calls = [str(node.target) for graph in explain.graphs for module in graph.modules()
+             if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes if node.op == "call_function"]
+    assert not [c for c in calls if "scaled_dot_product" in c], calls
+    assert [c for c in calls if "tritonformer.attention" in c], calls
     torch._dynamo.reset()
     loss = torch.compile(step, fullgraph=True, backend="aot_eager")(ids)
     loss.backward()
@@ -354,6 +360,13 @@ def test_patched_training_step_compiles_without_graph_breaks(device):
     assert_close(loss, ref.double(), torch.float32)
     for name, grad in _grads(model).items():
         assert_close(grad, _grads(reference)[name].double(), torch.float32, compare="norm")
+    # Sequences packed in each row, told by position_ids: the traced check still finds them.
+    position_ids = torch.cat([torch.arange(6, device=device), torch.arange(10, device=device)])[None].expand(2, -1)
+    packed = torch.compile(lambda ids: model(ids, labels=ids, position_ids=position_ids).loss, fullgraph=True,
+                           backend="aot_eager")(ids)
+    with torch.no_grad():
+        ref = reference(ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+    assert_close(packed, ref.double(), torch.float32)
 
 
 def test_float32_weights_under_autocast(device):

@@ -336,6 +336,11 @@ def _decoder_layer_forward(hf_forward, family: Family):
 # step, while the GPU waits for the host. The training forward passes this tensor instead; the
 # packing check knows it (it is never packed) and the rotary embedding keeps its tables for it.
 _DEFAULT_POSITIONS: dict[tuple, torch.Tensor] = {}
+# Under torch.compile HF makes the positions inside the graph, where the packing check can neither
+# look at them (data-dependent) nor tell ours by address, and a mask would follow (SDPA instead
+# of our kernel): the training forward sets this while it traces a forward given no positions,
+# mask or cache, and dynamo reads it as a constant. Eager calls never read it.
+_TRACING_DEFAULT_POSITIONS = False
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 ROTARY_CACHE = "_tritonformer_rotary"
 
@@ -373,7 +378,7 @@ def _wrap_packed_sequence_check() -> None:
 
     @functools.wraps(hf_check)
     def find_packed_sequence_indices(position_ids):
-        if not torch.compiler.is_compiling() and _views_default_positions(position_ids):
+        if (_TRACING_DEFAULT_POSITIONS if torch.compiler.is_compiling() else _views_default_positions(position_ids)):
             return None
         return hf_check(position_ids)
 
@@ -555,9 +560,11 @@ def _causal_lm_forward(hf_forward, family: Family):
             runtime.compile_ahead(("hf_step", family.name, tuple(input_ids.shape), self.lm_head.weight.dtype),
                                   _warm_step, self, family, *input_ids.shape)
         # (past_key_values: where transformers renamed it cache, the old name is still taken.)
-        if (kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None and kwargs.get(cache) is None
-                and kwargs.get("past_key_values") is None and not kwargs.get("use_cache") and input_ids is not None
-                and not torch.compiler.is_compiling()):
+        default_positions = (kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
+                             and kwargs.get(cache) is None and kwargs.get("past_key_values") is None
+                             and not kwargs.get("use_cache") and input_ids is not None)
+        compiling = torch.compiler.is_compiling()
+        if default_positions and not compiling:
             kwargs["position_ids"] = _default_positions(input_ids.shape[1], input_ids.device)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
@@ -575,7 +582,12 @@ def _causal_lm_forward(hf_forward, family: Family):
         router_logits = family.moe and bool(router_logits)
         if family.moe:
             kwargs["output_router_logits"] = router_logits
-        outputs = self.model(input_ids=input_ids, **kwargs)
+        global _TRACING_DEFAULT_POSITIONS
+        _TRACING_DEFAULT_POSITIONS = default_positions and compiling
+        try:
+            outputs = self.model(input_ids=input_ids, **kwargs)
+        finally:
+            _TRACING_DEFAULT_POSITIONS = False
         hidden = outputs.last_hidden_state
         target = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
         weight, bias = self.lm_head.weight, self.lm_head.bias
