@@ -835,16 +835,26 @@ def split_k_scratch(c: torch.Tensor, split: int, partials: int, counters: int) -
     return workspace(c.device, partials), arrival_counters(c.device, counters)
 
 
+# The package's name: a second copy loaded under another name (scripts/host_time.py --against)
+# registers its ops apart.
+OPS_NAMESPACE = __name__.split(".")[0]
+_LIBRARY = torch.library.Library(OPS_NAMESPACE, "FRAGMENT")
+
+
 def custom_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()):
     """Register a launcher as `torch.ops.tritonformer.<name>` so that torch.compile traces it as
-    one opaque node. Eager calls skip the dispatcher (about 10 us a call) and run the launcher;
-    they then bump the version counters of the tensors it wrote in place, as the dispatcher
-    would, so that autograd refuses a graph whose saved tensors were overwritten (a second
-    backward through a retained graph) instead of computing with them."""
+    one opaque node. Eager calls skip the dispatcher and run the launcher; they then bump the
+    version counters of the tensors it wrote in place, as the dispatcher would, so that autograd
+    refuses a graph whose saved tensors were overwritten (a second backward through a retained
+    graph) instead of computing with them. The op is defined through torch.library.Library, not
+    torch.library.custom_op: a compiled graph calls it about 7 us faster (custom_op's Python
+    wrappers for autograd and aliasing checks; runtime.md), and our autograd is the Functions'."""
 
     def wrap(launcher: Callable) -> Callable:
-        op = torch.library.custom_op(f"tritonformer::{name}", launcher, mutates_args=mutates_args)
-        op.register_fake(fake)
+        _LIBRARY.define(name + torch.library.infer_schema(launcher, mutates_args=mutates_args))
+        _LIBRARY.impl(name, launcher, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", fake, lib=_LIBRARY)
+        op = getattr(getattr(torch.ops, OPS_NAMESPACE), name).default
         params = list(inspect.signature(launcher).parameters)
         mutated = [(params.index(arg), arg) for arg in mutates_args]
 
