@@ -65,6 +65,7 @@ def test_routing_extremes(device, routing):
 
 
 @gpu_only
+@pytest.mark.gpu_memory
 def test_dispatched_rows_past_two_to_the_31_elements():
     """131072 tokens x top 8 x hidden 2048: the gathered rows, the down product's output and their
     gradients hold 2^31 elements; tokens at both ends (and every expert's weights' gradient) must
