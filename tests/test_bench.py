@@ -91,6 +91,10 @@ def test_unknown_op_is_a_clear_error(only_add, capsys):
         runner.run(["no_such_op"], quick=True, progress=False)
 
 
+def test_a_group_name_selects_its_ops():
+    assert runner.select_ops(["moe", "grouped_mm", "add"]) == ["moe_route", "grouped_mm", "moe_experts", "add"]
+
+
 def test_failing_peer_is_recorded_and_the_run_goes_on(monkeypatch):
     def broken_peer(x):
         raise RuntimeError("peer exploded")

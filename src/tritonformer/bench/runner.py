@@ -74,14 +74,21 @@ def registered_ops() -> dict[str, OpSpec]:
     return registry.OPS
 
 
+# Names that stand for several ops: `bench moe` runs the mixture-of-experts pieces and block.
+OP_GROUPS = {"moe": ("moe_route", "grouped_mm", "moe_experts")}
+
+
 def select_ops(names: list[str] | None) -> list[str]:
-    """The registered op names to run, in the order asked (all of them when `names` is empty)."""
+    """The registered op names to run, in the order asked (all of them when `names` is empty; a
+    group of OP_GROUPS stands for its ops)."""
     ops = registered_ops()
     if not names:
         return list(ops)
+    names = [op for name in names for op in OP_GROUPS.get(name, (name,))]
     unknown = [name for name in names if name not in ops]
     if unknown:
-        raise UnknownOpError(f"unknown op(s): {', '.join(unknown)}; registered ops: {', '.join(sorted(ops))}")
+        raise UnknownOpError(f"unknown op(s): {', '.join(unknown)}; registered ops: {', '.join(sorted(ops))}; "
+                             f"groups: {', '.join(sorted(OP_GROUPS))}")
     return list(dict.fromkeys(names))
 
 

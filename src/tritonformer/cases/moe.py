@@ -240,6 +240,21 @@ def _hf_grouped_mm_experts():
     return forward
 
 
+def _liger_experts():
+    """Liger-Kernel's fused MoE experts (HF's layout, indices as int32) where it is installed."""
+    if peers.liger() is None:
+        return None
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return None
+
+    def forward(x, experts, weights, gate_up, down):
+        return LigerFusedMoEFunction.apply(x, gate_up, down, experts.to(torch.int32), weights)
+
+    return forward
+
+
 # The experts block at the issue's two shapes: (name, tokens, hidden, intermediate, experts, top k).
 EXPERTS_BENCH_SHAPES = (("qwen3-30b-a3b", 16384, 2048, 768, 128, 8), ("mixtral", 16384, 4096, 14336, 8, 2))
 
@@ -260,12 +275,14 @@ def experts_bench_cases() -> list[BenchCase]:
                     return _work(forward, grad, params, dout)
 
                 hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
+                liger = _liger_experts()
                 return Bench(peers.available({
                     "tritonformer": run(lambda: moe_experts(*inputs)),
                     # HF's loop over experts (experts_implementation="eager"), in the inputs' dtype.
                     "hf eager": None if runtime.INTERPRET else run(lambda: moe_experts_reference(*inputs)),
                     "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
                     "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
+                    "liger fused moe": None if liger is None else run(lambda: liger(*inputs)),
                 }), reference=None if grad else lambda: moe_experts_reference(
                     *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
 
