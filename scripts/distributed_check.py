@@ -1,6 +1,7 @@
-"""A patched HuggingFace Llama trained under DDP or FSDP2 gives the single-process losses.
+"""A patched HuggingFace Llama (or Qwen3-MoE) trained under DDP or FSDP2 gives the single-process
+losses.
 
-    torchrun --nproc-per-node 2 scripts/distributed_check.py --mode ddp
+    torchrun --nproc-per-node 2 scripts/distributed_check.py --mode ddp [--family qwen3_moe]
     torchrun --nproc-per-node 2 scripts/distributed_check.py --mode fsdp2 [--lm-head-unit]
 
 Every rank builds the same model from a config (seeded; no download), patches it with
@@ -35,13 +36,18 @@ def build(args, device):
 
     torch.manual_seed(0)
     if args.tiny:
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                       max_position_embeddings=args.seq)
+        sizes = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        experts = dict(num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                                       max_position_embeddings=args.seq)
+        sizes = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+        experts = dict(num_experts=16, moe_intermediate_size=512, num_experts_per_tok=4)
+    if args.family == "qwen3_moe":
+        # Every layer sparse; the experts' weights are sharded by FSDP2 along the experts.
+        cfg = transformers.Qwen3MoeConfig(**sizes, **experts, norm_topk_prob=True, max_position_embeddings=args.seq)
+    else:
+        cfg = transformers.LlamaConfig(**sizes, max_position_embeddings=args.seq)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=args.dtype)
     data = torch.randint(0, cfg.vocab_size, (args.steps, args.batch, args.seq),
                          generator=torch.Generator().manual_seed(1)).to(device)
@@ -70,6 +76,8 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (for the CPU interpreter)")
+    p.add_argument("--family", default="llama", choices=["llama", "qwen3_moe"],
+                   help="the model: Llama, or Qwen3-MoE (issue 46: mixture of experts)")
     p.add_argument("--lm-head-unit", action="store_true", help="FSDP2: lm_head as its own unit")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tolerance", type=float, default=None, help="relative (default 1e-3 fp32, 2e-2 bf16)")
@@ -119,7 +127,7 @@ def main():
     if rank == 0:
         worst = max(abs(a - b) / abs(b) for a, b in zip(mean, reference))
         ok = worst <= tolerance and ok_fused
-        print(json.dumps({"mode": args.mode, "lm_head_unit": args.lm_head_unit, "world": world,
+        print(json.dumps({"family": args.family, "mode": args.mode, "lm_head_unit": args.lm_head_unit, "world": world,
                           "device": device.type, "dtype": str(args.dtype), "single": reference, "distributed": mean,
                           "max_relative_difference": worst, "tolerance": tolerance,
                           "fused_loss": fused[0], "ok": ok}))
