@@ -14,7 +14,7 @@ def _distinct_logits(T, E, device, dtype=torch.float32):
     return (torch.rand(T, E, device=device).argsort(-1).float() * (8 / E) - 4).to(dtype)
 
 
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_softmax"])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_chosen_experts_are_torch_topks(device, scoring, normalize):
     z = _distinct_logits(29, 60, device)
@@ -23,8 +23,25 @@ def test_chosen_experts_are_torch_topks(device, scoring, normalize):
     ref_w, ref_idx = moe_route_reference(z.double(), 6, normalize, scoring, bias)
     assert idx.dtype == torch.int64 and torch.equal(idx, ref_idx)  # int64: what HF's expert modules take
     assert_close(w, ref_w, torch.float32)
-    if normalize:
+    if normalize or scoring == "topk_softmax":
         assert_close(w.sum(-1), torch.ones(29, dtype=torch.float64, device=device), torch.float32)
+
+
+def test_topk_softmax_is_gpt_oss_router(device):
+    """GPT-OSS's router: torch.topk of the raw logits, a softmax over the k in their dtype; the
+    gradient reaches the chosen logits only."""
+    z = _distinct_logits(23, 32, device, torch.bfloat16).requires_grad_(True)
+    w, idx = moe_route(z, 4, scoring="topk_softmax")
+    values, hf_idx = torch.topk(z, 4, dim=-1)
+    hf_w = torch.softmax(values, dim=1, dtype=values.dtype)
+    assert torch.equal(idx, hf_idx) and w.dtype == torch.bfloat16
+    assert_close(w, hf_w.double(), torch.bfloat16)
+    dw = torch.randn_like(w)
+    (dz,) = torch.autograd.grad(w, z, dw)
+    (hf_dz,) = torch.autograd.grad(hf_w, z, dw)
+    assert_close(dz, hf_dz.double(), torch.bfloat16, compare="norm")
+    unchosen = torch.ones_like(z, dtype=torch.bool).scatter(1, idx, False)
+    assert (dz[unchosen] == 0).all()
 
 
 def test_selection_bias_moves_the_choice_not_the_weights(device):

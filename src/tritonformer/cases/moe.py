@@ -1,4 +1,4 @@
-"""Cases of `moe_route`: softmax and sigmoid scoring, renormalised or not, a selection bias,
+"""Cases of `moe_route`: softmax, sigmoid and top-k-then-softmax scoring, renormalised or not, a selection bias,
 odd expert counts, 3-D and strided logits, every float dtype for the tests; the router of a
 Qwen3-30B-A3B-shaped layer (8192 tokens, 128 experts, top 8) forward and forward+backward for the
 benchmark, against torch and torch.compile.
@@ -72,6 +72,8 @@ def test_cases() -> list[TestCase]:
             case(f"{name}-8x2", dt, shape=(2, 9, 8), top_k=2, normalize=False),
             case(f"{name}-sigmoid-bias", dt, shape=(21, 32), top_k=3, scoring="sigmoid", bias=True),
             case(f"{name}-sigmoid", dt, shape=(11, 16), top_k=2, normalize=False, scoring="sigmoid"),
+            # GPT-OSS: the top 4 of 32 raw logits, a softmax over them.
+            case(f"{name}-topk-softmax", dt, shape=(19, 32), normalize=False, scoring="topk_softmax"),
         ]
     cases += [
         case("fp32-strided", torch.float32, strided=True),
