@@ -92,7 +92,7 @@ def test_unknown_op_is_a_clear_error(only_add, capsys):
 
 
 def test_a_group_name_selects_its_ops():
-    assert runner.select_ops(["moe", "grouped_mm", "add"]) == ["moe_route", "grouped_mm", "moe_experts", "add"]
+    assert runner.select_ops(["moe", "grouped_mm", "add"]) == ["moe_route", "grouped_mm", "moe_experts", "gpt_oss_experts", "add"]
 
 
 def test_failing_peer_is_recorded_and_the_run_goes_on(monkeypatch):

@@ -1,13 +1,14 @@
 """moe_experts and its parts beyond the registry's cases: HF's expert loop and HF's experts
 module, tritonformer.nn.MoE against HF's Qwen3-MoE block, experts that get no token, routing extremes (every token to one expert, top-k of every
-expert, one token), determinism, the no-gradient path, torch.compile, bad input."""
+expert, one token), determinism, the no-gradient path, torch.compile, bad input; gpt_oss_experts'
+idle experts, determinism, torch.compile and bad input."""
 
 import pytest
 import torch
 
 from tritonformer import nn as tnn
-from tritonformer.ops.moe_experts import (moe_combine, moe_dispatch, moe_experts, moe_experts_reference,
-                                          moe_gather)
+from tritonformer.ops.moe_experts import (gpt_oss_experts, gpt_oss_experts_reference, moe_combine, moe_dispatch,
+                                          moe_experts, moe_experts_reference, moe_gather)
 from tritonformer.testing import assert_close
 
 from conftest import gpu_only
@@ -107,16 +108,17 @@ def test_backward_is_deterministic(device):
 
 def test_dispatch_sorts_slots_stably_by_expert(device):
     experts = torch.tensor([[2, 0], [0, 3], [2, 1]], device=device)
-    tokens, positions, ends = moe_dispatch(experts, 5)
+    tokens, positions, ends, row_experts = moe_dispatch(experts, 5)
     assert tokens.tolist() == [0, 1, 2, 0, 2, 1]  # expert 0: tokens 0, 1; 1: 2; 2: 0, 2; 3: 1
     assert ends.tolist() == [2, 3, 5, 6, 6] and ends.dtype == torch.int32
     assert positions.tolist() == [[3, 0], [1, 5], [4, 2]]
+    assert row_experts.tolist() == [0, 0, 1, 2, 2, 3]
 
 
 def test_gather_and_combine_alone(device):
     x = torch.randn(5, 7, device=device, requires_grad=True)
     experts = torch.randint(0, 3, (5, 2), device=device)
-    tokens, positions, _ = moe_dispatch(experts, 3)
+    tokens, positions, _, _ = moe_dispatch(experts, 3)
     rows = moe_gather(x, tokens, positions)
     assert torch.equal(rows, x[tokens])
     w = torch.rand(5, 2, device=device, requires_grad=True)
@@ -213,3 +215,56 @@ def test_bad_input_is_named(device, change, error, match):
     args = change(dict(x=x, experts=experts, weights=weights, gate_up_proj=gate_up, down_proj=down))
     with pytest.raises(error, match=match):
         moe_experts(**args)
+
+
+def _gpt_oss_layer(device, T=21, H=32, I=24, E=6, k=2, skip_experts=()):
+    """GPT-OSS experts' inputs, products large enough that both clamps act."""
+    x = torch.randn(T, H, device=device)
+    gate_up = torch.randn(E, H, 2 * I, device=device) * 3 / H**0.5
+    gate_up_bias, down_bias = torch.randn(E, 2 * I, device=device) * 2, torch.randn(E, H, device=device)
+    down = torch.randn(E, I, H, device=device) / I**0.5
+    logits = torch.randn(T, E, device=device)
+    logits[:, list(skip_experts)] = -float("inf")
+    weights, experts = torch.softmax(logits, -1).topk(k)
+    return [t.requires_grad_(True) for t in (x,)] + [experts] + [
+        t.requires_grad_(True) for t in (weights, gate_up, gate_up_bias, down, down_bias)]
+
+
+def test_gpt_oss_experts_idle_experts_deterministic_and_compiled(device):
+    """Experts 1 and 4 get no token: their weights' and biases' gradients are zero; the backward
+    is bitwise repeatable; a compiled step gives the reference's gradients."""
+    inputs = _gpt_oss_layer(device, skip_experts=(1, 4))
+    params = [t for t in inputs if t.is_floating_point()]
+    dout = torch.randn(21, 32, device=device)
+    first = torch.autograd.grad(gpt_oss_experts(*inputs), params, dout)
+    second = torch.autograd.grad(gpt_oss_experts(*inputs), params, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for grad in first[2:]:
+        assert (grad[[1, 4]] == 0).all()
+    leaves = [t.detach().double().requires_grad_(True) for t in params]
+    reference = gpt_oss_experts_reference(leaves[0], inputs[1], *leaves[1:])
+    for g, r in zip(first, torch.autograd.grad(reference, leaves, dout.double())):
+        assert_close(g, r, torch.float32, "norm")
+
+    def step(*args):
+        return gpt_oss_experts(*args).square().sum()
+
+    loss = compile_fullgraph(step)(*inputs)
+    compiled = torch.autograd.grad(loss, params)
+    reference = gpt_oss_experts_reference(leaves[0], inputs[1], *leaves[1:]).square().sum()
+    for g, r in zip(compiled, torch.autograd.grad(reference, leaves)):
+        assert_close(g, r, torch.float32, "norm")
+
+
+@pytest.mark.parametrize("name,change,match", [
+    ("gate_up_proj", lambda t: t[:, :, :-1], "gpt_oss_experts takes"),
+    ("gate_up_bias", lambda t: t[:, :-2], "gate_up_bias"),
+    ("down_proj", lambda t: t.transpose(1, 2), "down_proj"),
+    ("down_bias", lambda t: t[:1], "down_bias"),
+])
+def test_gpt_oss_experts_bad_shapes_are_named(device, name, change, match):
+    x, experts, weights, *params = _gpt_oss_layer(device)
+    args = dict(zip(("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"), params))
+    args[name] = change(args[name])
+    with pytest.raises(ValueError, match=match):
+        gpt_oss_experts(x, experts, weights, **args)

@@ -10,7 +10,7 @@ from .ops.decode_attention import decode_attention
 from .ops.matmul import matmul
 from .ops.grouped_mm import grouped_mm
 from .ops.moe import moe_route
-from .ops.moe_experts import moe_experts
+from .ops.moe_experts import gpt_oss_experts, moe_experts
 from .ops.norm import add_rms_norm, layer_norm, rms_norm
 from .ops.rope import apply_rope, qkv_rope
 from .ops.scaled_matmul import scaled_matmul
@@ -18,4 +18,4 @@ from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]
+__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "gpt_oss_experts", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

@@ -24,4 +24,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     moe.SPEC,
     moe.GROUPED_MM_SPEC,
     moe.EXPERTS_SPEC,
+    moe.GPT_OSS_EXPERTS_SPEC,
 )}

@@ -75,7 +75,7 @@ def registered_ops() -> dict[str, OpSpec]:
 
 
 # Names that stand for several ops: `bench moe` runs the mixture-of-experts pieces and block.
-OP_GROUPS = {"moe": ("moe_route", "grouped_mm", "moe_experts")}
+OP_GROUPS = {"moe": ("moe_route", "grouped_mm", "moe_experts", "gpt_oss_experts")}
 
 
 def select_ops(names: list[str] | None) -> list[str]:

@@ -13,7 +13,12 @@ Cases of `moe_experts` (EXPERTS_SPEC): top 1 to 8, idle experts, every float dty
 runs the experts block at Qwen3-30B-A3B's shape (16384 tokens, top 8 of 128 experts, hidden 2048,
 intermediate 768) and Mixtral's (top 2 of 8, hidden 4096, intermediate 14336), forward and
 forward+backward, against HF's loop over experts and its grouped_mm experts (eager and under
-torch.compile)."""
+torch.compile), and Liger-Kernel's fused MoE where it is installed.
+
+Cases of `gpt_oss_experts` (GPT_OSS_EXPERTS_SPEC): GPT-OSS's experts (interleaved gate/up with
+biases, the clamped SwiGLU) with both clamps acting, every float dtype; the benchmark runs
+GPT-OSS-20b's experts (16384 tokens, top 4 of 32, hidden and intermediate 2880) against HF's loop
+and its grouped_mm experts (eager and under torch.compile)."""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 from .. import runtime
 from ..ops.grouped_mm import grouped_mm, grouped_mm_reference
 from ..ops.moe import moe_route, moe_route_reference
-from ..ops.moe_experts import moe_experts, moe_experts_reference
+from ..ops.moe_experts import gpt_oss_experts, gpt_oss_experts_reference, moe_experts, moe_experts_reference
 from ..spec import Bench, BenchCase, OpSpec, TestCase, bench_rows
 from . import peers
 
@@ -300,5 +305,89 @@ EXPERTS_SPEC = OpSpec(
     reference=moe_experts_reference,
     test_cases=experts_test_cases,
     bench_cases=experts_bench_cases,
+    compare="norm",
+)
+
+
+def _gpt_oss_inputs(device, T, H, I, E, k, dtype, grad=True):
+    """GPT-OSS's experts' inputs, products large enough that both clamps act on some values."""
+    x = torch.randn(T, H, device=device).to(dtype)
+    gate_up = (torch.randn(E, H, 2 * I, device=device) * 3 / H**0.5).to(dtype)
+    gate_up_bias = (torch.randn(E, 2 * I, device=device) * 2).to(dtype)
+    down = (torch.randn(E, I, H, device=device) / I**0.5).to(dtype)
+    down_bias = torch.randn(E, H, device=device).to(dtype)
+    weights, experts = torch.softmax(torch.randn(T, E, device=device), -1).topk(k)
+    x, weights = x.requires_grad_(grad), weights.to(dtype).requires_grad_(grad)
+    return [x, experts, weights] + [t.requires_grad_(grad) for t in (gate_up, gate_up_bias, down, down_bias)]
+
+
+def gpt_oss_test_cases() -> list[TestCase]:
+    def case(id, dtype, T=19, H=32, I=24, E=6, k=2, gpu_only=False):
+        return TestCase(id, lambda device: (tuple(_gpt_oss_inputs(device, T, H, I, E, k, dtype)), {}), dtype,
+                        gpu_only=gpu_only, compare="norm")
+
+    cases = [case(f"{str(dt).replace('torch.', '')}-6-experts-top2", dt) for dt in runtime.FLOAT_DTYPES]
+    return cases + [case("fp32-top4-odd-sizes", torch.float32, T=13, H=20, I=12, E=5, k=4),
+                    case("bf16-gpt-oss-small", torch.bfloat16, T=256, H=192, I=192, E=32, k=4, gpu_only=True)]
+
+
+def _hf_grouped_mm_gpt_oss():
+    """transformers' grouped_mm experts forward with GPT-OSS's gate (None where either is missing)."""
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return None
+
+    def forward(x, experts, weights, gate_up, gate_up_bias, down, down_bias):
+        module = types.SimpleNamespace(num_experts=gate_up.shape[0], has_gate=True, has_bias=True, is_transposed=True,
+                                       gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down,
+                                       down_proj_bias=down_bias, alpha=1.702, limit=7.0)
+        module._apply_gate = lambda h: GptOssExperts._apply_gate(module, h)
+        return grouped_mm_experts_forward(module, x, experts, weights)
+
+    return forward
+
+
+# GPT-OSS-20b's experts (32 of hidden and intermediate 2880, top 4) on 16384 tokens.
+GPT_OSS_BENCH_SHAPES = (("gpt-oss-20b", 16384, 2880, 2880, 32, 4),)
+
+
+def gpt_oss_bench_cases() -> list[BenchCase]:
+    dtype = torch.bfloat16
+    shapes = (("tiny", 8, 32, 16, 4, 2),) if runtime.INTERPRET else GPT_OSS_BENCH_SHAPES
+    cases = []
+    for name, T, H, I, E, k in shapes:
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(mode=mode, T=T, H=H, I=I, E=E, k=k):
+                grad = mode != "fwd"
+                inputs = _gpt_oss_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
+                dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
+                params = [t for t in inputs if t.is_floating_point()]
+
+                def run(forward):
+                    return _work(forward, grad, params, dout)
+
+                hf = None if runtime.INTERPRET else _hf_grouped_mm_gpt_oss()
+                return Bench(peers.available({
+                    "tritonformer": run(lambda: gpt_oss_experts(*inputs)),
+                    "hf eager": None if runtime.INTERPRET else run(lambda: gpt_oss_experts_reference(*inputs)),
+                    "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
+                    "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
+                }), reference=None if grad else lambda: gpt_oss_experts_reference(
+                    *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
+
+            flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
+            cases.append(BenchCase("gpt_oss_experts", mode, dtype, f"{name} T{T} E{E} top{k} H{H} I{I}", T, setup,
+                                   flops=flops, plot=_plot(mode), quick=True, compare="norm"))
+    return cases
+
+
+GPT_OSS_EXPERTS_SPEC = OpSpec(
+    name="gpt_oss_experts",
+    fn=gpt_oss_experts,
+    reference=gpt_oss_experts_reference,
+    test_cases=gpt_oss_test_cases,
+    bench_cases=gpt_oss_bench_cases,
     compare="norm",
 )

@@ -68,7 +68,7 @@ from ..nn import attention_forward
 from ..ops import attention as attention_op
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from ..ops import moe as moe_op
-from ..ops.moe_experts import moe_experts
+from ..ops.moe_experts import gpt_oss_experts, moe_experts
 from ..ops.norm import add_rms_norm, rms_norm
 from ..ops.rope import apply_rope, qkv_rope
 from ..ops.swiglu import swiglu, swiglu_mlp
@@ -650,12 +650,30 @@ def register_attention() -> None:
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """experts_implementation="tritonformer": SwiGLU experts in HF's default layout (gate rows then
     up rows of gate_up_proj (E, 2I, H), down_proj (E, H, I), no biases, HF's own gate function)
-    run `moe_experts`; any other layout runs HF's grouped_mm path."""
+    run `moe_experts`; GPT-OSS's experts run `gpt_oss_experts`; any other layout runs HF's
+    grouped_mm path."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    if _runs_moe_experts(self, hidden_states.dtype) and not torch.is_autocast_enabled(hidden_states.device.type):
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    if not torch.is_autocast_enabled(hidden_states.device.type):
+        if _runs_moe_experts(self, hidden_states.dtype):
+            return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        if _runs_gpt_oss_experts(self, hidden_states.dtype):
+            return gpt_oss_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                                   self.gate_up_proj_bias, self.down_proj, self.down_proj_bias, self.alpha, self.limit)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _runs_gpt_oss_experts(experts: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether an HF experts module is GPT-OSS's (its own gate function, transposed interleaved
+    weights with biases), every weight in the activations' dtype."""
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return False
+    return (getattr(type(experts), "_apply_gate", None) is GptOssExperts._apply_gate
+            and getattr(experts, "has_bias", False) and getattr(experts, "is_transposed", False)
+            and all(getattr(experts, name, None) is not None and getattr(experts, name).dtype == dtype
+                    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")))
 
 
 def _experts_are_the_familys(model: torch.nn.Module, family: Family) -> bool:

@@ -73,7 +73,7 @@ def _clamped(row, M):
 
 
 @triton.jit
-def _group_bounds(offs_ptr, g, M, E):
+def group_bounds(offs_ptr, g, M, E):
     """(first row, end row) of group g <= E (group E: the rows past the last end), clamped to [0, M]."""
     end = M
     if g < E:
@@ -109,7 +109,7 @@ def _grouped_mm_kernel(
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         group = tl.sum((tiles_through <= tile).to(tl.int32), 0)
         tiles_before = tl.sum(tl.where(g < group, tiles, 0), 0)
-        row_start, row_end = _group_bounds(offs_ptr, group, M, E)
+        row_start, row_end = group_bounds(offs_ptr, group, M, E)
         pid_m, pid_n = grouped_tile(tile - tiles_before, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n, GROUP_M)
         off_m = row_start + pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -157,7 +157,7 @@ def _grouped_mm_db_kernel(
     off_n = (tl.program_id(0) % tiles_n) * BLOCK_N
     rk = off_k + tl.arange(0, BLOCK_K)
     rn = off_n + tl.arange(0, BLOCK_N)
-    start, end = _group_bounds(offs_ptr, g, M, E)
+    start, end = group_bounds(offs_ptr, g, M, E)
     whole_end = start
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     if not POINTER_LOADS:
