@@ -256,6 +256,16 @@ def test_gpt_oss_experts_idle_experts_deterministic_and_compiled(device):
         assert_close(g, r, torch.float32, "norm")
 
 
+def test_gpt_oss_experts_take_strided_biases(device):
+    """Biases given as transposed views (strides (1, E)) read as their values, not their memory."""
+    x, experts, weights, gate_up, gate_up_bias, down, down_bias = _gpt_oss_layer(device)
+    strided = [b.detach().t().contiguous().t() for b in (gate_up_bias, down_bias)]
+    assert strided[0].stride(0) == 1
+    out = gpt_oss_experts(x, experts, weights, gate_up, strided[0], down, strided[1])
+    assert_close(out, gpt_oss_experts_reference(*(t.double() if t.is_floating_point() else t for t in (
+        x, experts, weights, gate_up, gate_up_bias, down, down_bias))), torch.float32, "norm")
+
+
 @pytest.mark.parametrize("name,change,match", [
     ("gate_up_proj", lambda t: t[:, :, :-1], "gpt_oss_experts takes"),
     ("gate_up_bias", lambda t: t[:, :-2], "gate_up_bias"),

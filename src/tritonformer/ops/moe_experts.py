@@ -1,6 +1,6 @@
 """A mixture-of-experts layer's experts, dropless: every token's top-k rows computed, none dropped.
 
-    tokens, positions, ends = moe_dispatch(experts, E)   # rows sorted by expert, on the device
+    tokens, positions, ends, _ = moe_dispatch(experts, E)   # rows sorted by expert, on the device
     rows = moe_gather(x, tokens, positions)              # (T * k, H): row i is x[tokens[i]]
     h = grouped_mm(rows, gate_up_proj^T, ends)           # HF's (E, 2I, H) weights read in place
     y = grouped_mm(silu(h[:, :I]) * h[:, I:], down_proj^T, ends)   # one autograd node with the above
@@ -95,44 +95,54 @@ def _group_sums_kernel(x_ptr, ends_ptr, out_ptr, M, N, E, stride_x, stride_oe, B
 
 
 @triton.jit
-def _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, stride_gu, stride_b):
+def _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, E, stride_gu, stride_b):
     """(gate, up) of GPT-OSS's interleaved product (gate at even columns, up at odd) plus the
-    row's expert's bias, rounded to the product's dtype as HF's addition is, in float32."""
+    row's expert's bias, rounded to the product's dtype as HF's addition is, in float32. An expert
+    outside [0, E) reads no bias (the combine kernel's assert names it)."""
     e = tl.load(e_ptr + rows, mask=rows < R, other=0).to(tl.int64)
     at = gu_ptr + rows[:, None].to(tl.int64) * stride_gu + 2 * cols[None, :]
     bias_at = b_ptr + e[:, None] * stride_b + 2 * cols[None, :]
-    g = tl.load(at, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_at, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_at + 1, mask=ok, other=0.0).to(tl.float32)
+    has_bias = ok & ((e >= 0) & (e < E))[:, None]
+    g = tl.load(at, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_at, mask=has_bias, other=0.0).to(tl.float32)
+    u = (tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(bias_at + 1, mask=has_bias, other=0.0).to(tl.float32))
     dtype = gu_ptr.dtype.element_ty
     return g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _clamped_glu_fwd_kernel(gu_ptr, b_ptr, e_ptr, h_ptr, R, I, stride_gu, stride_b, stride_h, alpha, limit,
+def _clamped(g, u, limit):
+    """(min(g, limit), clamp(u, -limit, limit)), a NaN staying NaN as in torch.clamp (Triton's
+    default minimum returns the other operand on the GPU)."""
+    nan = tl.PropagateNan.ALL
+    return (tl.minimum(g, limit, propagate_nan=nan),
+            tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan))
+
+
+@triton.jit
+def _clamped_glu_fwd_kernel(gu_ptr, b_ptr, e_ptr, h_ptr, R, I, E, stride_gu, stride_b, stride_h, alpha, limit,
                             BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
     """h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (rows < R)[:, None] & (cols < I)[None, :]
-    g, u = _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, stride_gu, stride_b)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+    g, u = _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, E, stride_gu, stride_b)
+    g, u = _clamped(g, u, limit)
     h = (u + 1.0) * g * tl.sigmoid(alpha * g)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _clamped_glu_bwd_kernel(gu_ptr, b_ptr, e_ptr, dh_ptr, dgu_ptr, h_ptr, R, I, stride_gu, stride_b, stride_dh,
+def _clamped_glu_bwd_kernel(gu_ptr, b_ptr, e_ptr, dh_ptr, dgu_ptr, h_ptr, R, I, E, stride_gu, stride_b, stride_dh,
                             stride_dgu, stride_h, alpha, limit, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
     """d[gate | up] interleaved, from dh (no gradient where a clamp held the value, as torch.clamp),
     and h recomputed (the down product's weight gradient reads it)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (rows < R)[:, None] & (cols < I)[None, :]
-    g, u = _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, stride_gu, stride_b)
+    g, u = _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, E, stride_gu, stride_b)
     dh = tl.load(dh_ptr + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    gc = tl.minimum(g, limit)
-    uc = tl.minimum(tl.maximum(u, -limit), limit)
+    gc, uc = _clamped(g, u, limit)
     s = tl.sigmoid(alpha * gc)
     glu = gc * s
     du = tl.where((u >= -limit) & (u <= limit), dh * glu, 0.0)
@@ -316,7 +326,7 @@ def moe_combine(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor,
     """out (T, N) in y's dtype: out[t] = sum over j of weights[t, j] * (y[positions[t, j]] +
     bias[experts[t, j]]) (bias (E, N), optional; its gradient needs the groups' ends); given the
     routing's experts (T, k), a device-side assert that each is in [0, num_experts)."""
-    if bias is not None and (experts is None or (bias.requires_grad and ends is None)):
+    if bias is not None and (experts is None or (torch.is_grad_enabled() and bias.requires_grad and ends is None)):
         raise ValueError("moe_combine: a bias needs the routing's experts, and its gradient the groups' ends")
     if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad
                                     or (bias is not None and bias.requires_grad)):
@@ -400,10 +410,11 @@ def clamped_glu_fwd(gate_up: torch.Tensor, bias: torch.Tensor, row_experts: torc
     """GPT-OSS's activation (R, I) of the interleaved product (R, 2I) plus each row's expert's bias."""
     R, I = gate_up.shape[0], gate_up.shape[1] // 2
     h = runtime.empty((R, I), gate_up.dtype, gate_up.device)
+    bias = _rows(bias)
     if h.numel():
         grid = (runtime.cdiv(R, GLU_BLOCKS["BLOCK_R"]), runtime.cdiv(I, GLU_BLOCKS["BLOCK_I"]))
-        _launch_glu_fwd(grid, gate_up, bias, row_experts, h, R, I, gate_up.stride(0), bias.stride(0), h.stride(0),
-                        alpha, limit, **GLU_BLOCKS, num_warps=4)
+        _launch_glu_fwd(grid, gate_up, bias, row_experts, h, R, I, bias.shape[0], gate_up.stride(0), bias.stride(0),
+                        h.stride(0), alpha, limit, **GLU_BLOCKS, num_warps=4)
     return h
 
 
@@ -415,14 +426,15 @@ def _fake_glu_bwd(gate_up, bias, row_experts, dh, alpha, limit):
 def clamped_glu_bwd(gate_up: torch.Tensor, bias: torch.Tensor, row_experts: torch.Tensor, dh: torch.Tensor,
                     alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate_up interleaved (R, 2I), the activation recomputed (R, I)) from dh (R, I)."""
-    dh = _rows(dh)
+    dh, bias = _rows(dh), _rows(bias)
     R, I = dh.shape
     dgu = runtime.empty(gate_up.shape, gate_up.dtype, gate_up.device)
     h = runtime.empty((R, I), gate_up.dtype, gate_up.device)
     if h.numel():
         grid = (runtime.cdiv(R, GLU_BLOCKS["BLOCK_R"]), runtime.cdiv(I, GLU_BLOCKS["BLOCK_I"]))
-        _launch_glu_bwd(grid, gate_up, bias, row_experts, dh, dgu, h, R, I, gate_up.stride(0), bias.stride(0),
-                        dh.stride(0), dgu.stride(0), h.stride(0), alpha, limit, **GLU_BLOCKS, num_warps=4)
+        _launch_glu_bwd(grid, gate_up, bias, row_experts, dh, dgu, h, R, I, bias.shape[0], gate_up.stride(0),
+                        bias.stride(0), dh.stride(0), dgu.stride(0), h.stride(0), alpha, limit, **GLU_BLOCKS,
+                        num_warps=4)
     return dgu, h
 
 
