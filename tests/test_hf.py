@@ -579,10 +579,20 @@ def test_experts_implementation_matches_hf_experts(family, device, monkeypatch):
     for name, value in dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16).items():
         setattr(config, name, value)
+    _assert_our_experts_give_hfs(config, device, calls)
+
+
+def _assert_our_experts_give_hfs(config, device, calls, prepare=lambda model: None, **from_config):
+    """A model of config with experts_implementation="tritonformer" against the same weights with
+    HF's eager experts (prepare(reference) may change them first): our experts ran (calls), and
+    the logits, loss and every parameter's gradient are HF's."""
     torch.manual_seed(0)
     # from_config records the implementation on the config it is given: one config each.
-    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="tritonformer")
+    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager",
+                                                              **from_config)
+    prepare(reference)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="tritonformer",
+                                                         **from_config)
     ours.load_state_dict(reference.state_dict())
     reference, ours = reference.to(device), ours.to(device)
     ids = _ids(device, S=12)
@@ -606,27 +616,14 @@ def test_gpt_oss_experts_implementation_matches_hf_experts(device, monkeypatch):
     config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager",
-                                                              attn_implementation="eager")
-    with torch.no_grad():  # biases and weights large enough that both clamps act somewhere
-        for name, p in reference.named_parameters():
+
+    @torch.no_grad()
+    def large_experts(model):  # biases and weights large enough that both clamps act somewhere
+        for name, p in model.named_parameters():
             if ".experts." in name:
                 p.normal_(0.0, 2.0 if "bias" in name else 0.5)
-    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="tritonformer",
-                                                         attn_implementation="eager")
-    ours.load_state_dict(reference.state_dict())
-    reference, ours = reference.to(device), ours.to(device)
-    ids = _ids(device, S=12)
-    expected, got = reference(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
-    assert calls, "the tritonformer experts did not run"
-    assert_close(got.logits, expected.logits.double(), torch.float32, "norm")
-    assert_close(got.loss, expected.loss.double(), torch.float32)
-    expected.loss.backward()
-    got.loss.backward()
-    for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
-        msg = check_close(q.grad, p.grad.double(), torch.float32, "norm")
-        assert msg is None, f"{name}: {msg}"
+
+    _assert_our_experts_give_hfs(config, device, calls, large_experts, attn_implementation="eager")
 
 
 def test_experts_with_their_own_gate_function_keep_hf_path(device, monkeypatch):

@@ -266,37 +266,47 @@ def _liger_experts():
 EXPERTS_BENCH_SHAPES = (("qwen3-30b-a3b", 16384, 2048, 768, 128, 8), ("mixtral", 16384, 4096, 14336, 8, 2))
 
 
-def experts_bench_cases() -> list[BenchCase]:
+def _experts_bench_cases(op: str, shapes, make_inputs, ours, reference, hf, liger=None,
+                         quick=lambda name: True) -> list[BenchCase]:
+    """An experts block's cases, forward and forward+backward at each (name, tokens, hidden,
+    intermediate, experts, top k) of shapes (a tiny one under the interpreter): ours against HF's
+    loop over experts (reference, in the inputs' dtype), HF's grouped_mm path (hf(), eager and
+    under torch.compile) and liger() where those can be built."""
     dtype = torch.bfloat16
-    shapes = (("tiny", 8, 32, 16, 4, 2),) if runtime.INTERPRET else EXPERTS_BENCH_SHAPES
     cases = []
-    for name, T, H, I, E, k in shapes:
+    for name, T, H, I, E, k in (("tiny", 8, 32, 16, 4, 2),) if runtime.INTERPRET else shapes:
         for mode in ("fwd", "fwd+bwd"):
             def setup(mode=mode, T=T, H=H, I=I, E=E, k=k):
                 grad = mode != "fwd"
-                inputs = _experts_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
+                inputs = make_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
                 dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
-                params = [inputs[i] for i in (0, 2, 3, 4)]
+                params = [t for t in inputs if t.is_floating_point()]
 
                 def run(forward):
                     return _work(forward, grad, params, dout)
 
-                hf = None if runtime.INTERPRET else _hf_grouped_mm_experts()
-                liger = _liger_experts()
+                hf_forward = None if runtime.INTERPRET else hf()
+                liger_forward = None if liger is None else liger()
                 return Bench(peers.available({
-                    "tritonformer": run(lambda: moe_experts(*inputs)),
-                    # HF's loop over experts (experts_implementation="eager"), in the inputs' dtype.
-                    "hf eager": None if runtime.INTERPRET else run(lambda: moe_experts_reference(*inputs)),
-                    "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
-                    "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
-                    "liger fused moe": None if liger is None else run(lambda: liger(*inputs)),
-                }), reference=None if grad else lambda: moe_experts_reference(
+                    "tritonformer": run(lambda: ours(*inputs)),
+                    "hf eager": None if runtime.INTERPRET else run(lambda: reference(*inputs)),
+                    "hf grouped_mm": None if hf_forward is None else run(lambda: hf_forward(*inputs)),
+                    "hf grouped_mm + torch.compile": None if hf_forward is None else run(
+                        peers.compiled(hf_forward, *inputs)),
+                    "liger fused moe": None if liger_forward is None else run(lambda: liger_forward(*inputs)),
+                }), reference=None if grad else lambda: reference(
                     *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
 
             flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
-            cases.append(BenchCase("moe_experts", mode, dtype, f"{name} T{T} E{E} top{k} H{H} I{I}", T, setup,
-                                   flops=flops, plot=_plot(mode), quick=name != "mixtral", compare="norm"))
+            cases.append(BenchCase(op, mode, dtype, f"{name} T{T} E{E} top{k} H{H} I{I}", T, setup,
+                                   flops=flops, plot=_plot(mode), quick=quick(name), compare="norm"))
     return cases
+
+
+def experts_bench_cases() -> list[BenchCase]:
+    return _experts_bench_cases("moe_experts", EXPERTS_BENCH_SHAPES, _experts_inputs, moe_experts,
+                                moe_experts_reference, _hf_grouped_mm_experts, _liger_experts,
+                                quick=lambda name: name != "mixtral")
 
 
 EXPERTS_SPEC = OpSpec(
@@ -354,33 +364,8 @@ GPT_OSS_BENCH_SHAPES = (("gpt-oss-20b", 16384, 2880, 2880, 32, 4),)
 
 
 def gpt_oss_bench_cases() -> list[BenchCase]:
-    dtype = torch.bfloat16
-    shapes = (("tiny", 8, 32, 16, 4, 2),) if runtime.INTERPRET else GPT_OSS_BENCH_SHAPES
-    cases = []
-    for name, T, H, I, E, k in shapes:
-        for mode in ("fwd", "fwd+bwd"):
-            def setup(mode=mode, T=T, H=H, I=I, E=E, k=k):
-                grad = mode != "fwd"
-                inputs = _gpt_oss_inputs(runtime.DEVICE, T, H, I, E, k, dtype, grad)
-                dout = torch.randn(T, H, device=runtime.DEVICE, dtype=dtype)
-                params = [t for t in inputs if t.is_floating_point()]
-
-                def run(forward):
-                    return _work(forward, grad, params, dout)
-
-                hf = None if runtime.INTERPRET else _hf_grouped_mm_gpt_oss()
-                return Bench(peers.available({
-                    "tritonformer": run(lambda: gpt_oss_experts(*inputs)),
-                    "hf eager": None if runtime.INTERPRET else run(lambda: gpt_oss_experts_reference(*inputs)),
-                    "hf grouped_mm": None if hf is None else run(lambda: hf(*inputs)),
-                    "hf grouped_mm + torch.compile": None if hf is None else run(peers.compiled(hf, *inputs)),
-                }), reference=None if grad else lambda: gpt_oss_experts_reference(
-                    *(t.double() if t.is_floating_point() else t for t in inputs)).to(dtype))
-
-            flops = 2 * T * k * H * 3 * I * (3 if mode == "fwd+bwd" else 1)
-            cases.append(BenchCase("gpt_oss_experts", mode, dtype, f"{name} T{T} E{E} top{k} H{H} I{I}", T, setup,
-                                   flops=flops, plot=_plot(mode), quick=True, compare="norm"))
-    return cases
+    return _experts_bench_cases("gpt_oss_experts", GPT_OSS_BENCH_SHAPES, _gpt_oss_inputs, gpt_oss_experts,
+                                gpt_oss_experts_reference, _hf_grouped_mm_gpt_oss)
 
 
 GPT_OSS_EXPERTS_SPEC = OpSpec(
