@@ -114,9 +114,9 @@ def _biased_gate_up(gu_ptr, b_ptr, e_ptr, rows, cols, ok, R, E, stride_gu, strid
 def _clamped(g, u, limit):
     """(min(g, limit), clamp(u, -limit, limit)), a NaN staying NaN as in torch.clamp (Triton's
     default minimum returns the other operand on the GPU)."""
-    nan = tl.PropagateNan.ALL
-    return (tl.minimum(g, limit, propagate_nan=nan),
-            tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan))
+    return (tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL),
+            tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit
