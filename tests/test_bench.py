@@ -278,3 +278,23 @@ def test_e2e_trains_the_mixture_of_experts_model(tmp_path):
 def test_the_cpu_grid_names_torchs_cpu_matmul_as_such():
     providers = {p for c in registry.OPS["matmul"].bench_cases() if c.quick for p in c.setup().providers}
     assert "torch (CPU)" in providers and not any("cuBLAS" in p for p in providers)
+
+
+def test_generate_bench_decodes_with_each_stack(tmp_path):
+    """bench generate at the interpreter's size: HF's dynamic cache and the patched model's own
+    generate (tritonformer.generate, checked inside run_stack) each make every token of a ragged
+    batch; the report and plot come out, bad names are refused."""
+    pytest.importorskip("transformers")
+    from tritonformer.bench import generate
+
+    rows = [r for stack in ("hf-eager", "tritonformer")
+            for r in generate.run_stack(stack, generate.QUICK["model"], [(1, 6), (3, 6)], 3, 1)]
+    assert [(r["stack"], r["batch"]) for r in rows] == [("hf-eager", 1), ("hf-eager", 3), ("tritonformer", 1),
+                                                        ("tritonformer", 3)]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    sizes = dict(generate.QUICK["model"], model="e2e", new_tokens=3)
+    report = generate.write_report(rows, sizes, {"device": "CPU", "copy_gbps": None}, tmp_path)
+    assert "| tritonformer | 3 | 6 |" in report.read_text() and (tmp_path / "generate-e2e.png").exists()
+    assert main(["bench", "generate", "--model", "gpt-9", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "generate", "--stacks", "vllm", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "generate", "matmul", "--out", str(tmp_path)]) == 2

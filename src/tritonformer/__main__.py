@@ -1,4 +1,4 @@
-"""Command line: `python -m tritonformer bench [OP ...|e2e [--model NAME ...]] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
+"""Command line: `python -m tritonformer bench [OP ...|e2e [--model NAME ...]|generate [--model NAME ...] [--batch N ...] [--prompt N ...]] [--quick] [--out DIR]`, `report RUN_DIR ... --out DIR` and `info`."""
 
 from __future__ import annotations
 
@@ -40,13 +40,20 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="check and time the ops against their peers, write a report")
     bench.add_argument("ops", nargs="*", metavar="OP",
-                       help="ops to run (default: all registered), or e2e: the end-to-end training benchmark")
+                       help="ops to run (default: all registered), or e2e: the end-to-end training benchmark, or "
+                            "generate: the decoding benchmark")
     bench.add_argument("--quick", action="store_true", help="the small grid only (implied without a GPU)")
     bench.add_argument("--out", type=Path, help="output directory (default: bench-out/<device>/)")
-    bench.add_argument("--model", nargs="+", default=["e2e"], metavar="NAME",
-                       help="bench e2e: the model shapes to train (e2e, smollm2-135m, qwen2.5-0.5b; default: e2e)")
+    bench.add_argument("--model", nargs="+", metavar="NAME",
+                       help="bench e2e: the model shapes to train (e2e, smollm2-135m, qwen2.5-0.5b, qwen3-moe); "
+                            "bench generate: to decode (e2e, llama3-8b); default: e2e")
     bench.add_argument("--stacks", nargs="+", metavar="STACK",
-                       help="bench e2e: the stacks to run (default: all of bench.e2e.STACKS)")
+                       help="bench e2e / generate: the stacks to run (default: all of bench.e2e.STACKS / "
+                            "bench.generate.STACKS)")
+    bench.add_argument("--batch", nargs="+", type=int, metavar="N",
+                       help="bench generate: batch sizes (default: 1 16 64)")
+    bench.add_argument("--prompt", nargs="+", type=int, metavar="N",
+                       help="bench generate: prompt lengths (default: 512)")
     bench.set_defaults(handler=_bench)
 
     merge = commands.add_parser("report", help="merge the output directories of several bench runs into one report")
@@ -78,6 +85,28 @@ def _bench(args: argparse.Namespace) -> int:
     if runtime.INTERPRET:
         print(INTERPRETER_NOTICE, flush=True)
     quick = args.quick or runtime.INTERPRET
+    if "generate" in args.ops:
+        if len(args.ops) > 1:
+            print("tritonformer bench: generate runs on its own (bench generate)", file=sys.stderr)
+            return EXIT_USAGE
+        from .bench import generate
+
+        stacks = args.stacks or generate.STACKS
+        models = args.model or ["e2e"]
+        for asked, known, what in ((models, generate.MODELS, "model"), (stacks, generate.STACKS, "stack")):
+            unknown = [name for name in asked if name not in known]
+            if unknown:
+                print(f"tritonformer bench generate: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}",
+                      file=sys.stderr)
+                return EXIT_USAGE
+        out_dir = args.out or Path("bench-out") / "generate"
+        ours_failed = False
+        for model in models:
+            rows = generate.run(out_dir, quick, stacks, model, args.batch or generate.BATCHES,
+                                args.prompt or generate.PROMPTS)
+            print(f"\nwrote {out_dir / f'generate-{model}.md'}")
+            ours_failed |= any("error" in r for r in rows if r["stack"].startswith("tritonformer"))
+        return EXIT_CHECK_FAILED if ours_failed else EXIT_OK
     if "e2e" in args.ops:
         if len(args.ops) > 1:
             print("tritonformer bench: e2e runs on its own (bench e2e)", file=sys.stderr)
@@ -85,6 +114,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import e2e
 
         stacks = args.stacks or e2e.STACKS
+        args.model = args.model or ["e2e"]
         for asked, known, what in ((args.model, e2e.MODELS, "model"), (stacks, e2e.STACKS, "stack")):
             unknown = [name for name in asked if name not in known]
             if unknown:

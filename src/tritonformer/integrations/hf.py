@@ -45,7 +45,12 @@ What is swapped, per family (FAMILIES):
   no KV cache (HF's default would copy each layer's K and V into one); otherwise it returns logits as
   HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
   with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
-  is, the unfused one (eval, LoRA on lm_head) in the logits' dtype.
+  is, the unfused one (eval, LoRA on lm_head) in the logits' dtype;
+- generation: `model.generate(...)` runs `tritonformer.generate.generate` (static KV cache,
+  decode attention, the decode step as one CUDA graph) for the dense families it decodes when
+  every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
+  pad ids, max_new_tokens or max_length, an attention mask); any other argument, processor or
+  output option goes to HF's own generate (logged at debug level).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import types
 import warnings
 import weakref
@@ -63,6 +69,7 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .. import generate as decoding
 from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op
@@ -74,6 +81,7 @@ from ..ops.rope import apply_rope, qkv_rope
 from ..ops.swiglu import swiglu, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
+logger = logging.getLogger("tritonformer")
 # The most memory a first step's warm-up may take for stand-ins of one layer's experts.
 WARM_EXPERTS_MAX_BYTES = 2**30
 IGNORE_INDEX = -100
@@ -856,9 +864,79 @@ def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
     if attention:
         register_attention()
         base.set_attn_implementation(ATTENTION_NAME)
+    base.generate = types.MethodType(_generate, base)
     base._tritonformer = (family, patched, previous_attention if attention else None, previous_loss,
                           previous_experts)
     return model
+
+
+# What HF's generate applies beyond what tritonformer.generate implements, as (its generation
+# config's attribute, the value that applies nothing; None, unset, too); a config with any other value, or an
+# argument of generate other than the prompt, its mask and generation options, goes to HF's.
+HF_ONLY_GENERATION = (
+    ("num_beams", 1), ("num_return_sequences", 1), ("penalty_alpha", None), ("dola_layers", None),
+    ("repetition_penalty", 1.0), ("encoder_repetition_penalty", 1.0), ("no_repeat_ngram_size", 0),
+    ("encoder_no_repeat_ngram_size", 0), ("bad_words_ids", None), ("force_words_ids", None), ("min_new_tokens", None),
+    ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("min_p", None), ("top_h", None),
+    ("forced_bos_token_id", None), ("forced_eos_token_id", None), ("suppress_tokens", None),
+    ("begin_suppress_tokens", None), ("sequence_bias", None), ("guidance_scale", None),
+    ("exponential_decay_length_penalty", None), ("renormalize_logits", False), ("remove_invalid_values", False),
+    ("watermarking_config", None), ("output_scores", False), ("output_logits", False), ("output_attentions", False),
+    ("output_hidden_states", False), ("return_dict_in_generate", False), ("cache_implementation", None),
+    ("use_cache", True), ("stop_strings", None), ("max_time", None), ("prompt_lookup_num_tokens", None),
+    ("assistant_early_exit", None), ("token_healing", False), ("low_memory", None),
+)
+
+
+def _decoding_request(model, args: tuple, kwargs: dict) -> dict | None:
+    """generate's arguments for a call of HF's generate that it decodes the same (None: HF's)."""
+    if len(args) > 1 or decoding.unsupported(model) is not None:
+        return None
+    kwargs = dict(kwargs)
+    input_ids = kwargs.pop("inputs", None) if not args else args[0]
+    input_ids = kwargs.pop("input_ids", input_ids)
+    attention_mask = kwargs.pop("attention_mask", None)
+    generation_config = kwargs.pop("generation_config", None)
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.dtype == torch.long):
+        return None
+    try:
+        config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    # Anything left is a model input or an argument of generate itself (processors, streamer,
+    # assistant model, ...), none of which the decoder takes.
+    if model_kwargs or any(getattr(config, name, None) not in (value, None) for name, value in HF_ONLY_GENERATION):
+        return None
+    P = input_ids.shape[1]
+    if config.min_length is not None and config.min_length > P:
+        return None
+    max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - P
+    if max_new_tokens < 1:
+        return None
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = config.pad_token_id
+    if pad is None and eos_ids:
+        pad = eos_ids[0]
+    # HF's generate reads a mask off the prompt's pad tokens when the pad is not an eos.
+    if attention_mask is None and pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        attention_mask = input_ids.ne(pad).long()
+    request = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                   do_sample=bool(config.do_sample), eos_token_id=eos, pad_token_id=pad)
+    if config.do_sample:
+        request.update(temperature=config.temperature, top_k=config.top_k or None,
+                       top_p=config.top_p if config.top_p is not None and config.top_p < 1.0 else None)
+    return request
+
+
+def _generate(self, *args, **kwargs):
+    """A patched model's generate: tritonformer.generate where it decodes the call the same,
+    HF's generate otherwise."""
+    request = _decoding_request(self, args, kwargs)
+    if request is None:
+        logger.debug("tritonformer: generate goes to HF's generate (an argument or model the decoder does not take)")
+        return type(self).generate(self, *args, **kwargs)
+    return decoding.generate(self, **request)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -881,6 +959,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     if previous_experts is not None:
         base.set_experts_implementation(previous_experts)
     _unlink_next_norms(base)
+    del base.generate
+    decoding.release(base)
     del base._tritonformer
     return model
 

@@ -1,0 +1,340 @@
+"""`generate`: decoding of HuggingFace Llama-family models with a static KV cache of ours.
+
+    tokens = tritonformer.generate(model, input_ids, attention_mask, max_new_tokens=128)
+
+The prompt runs through the model itself (patched or not: a prefill is compute-bound) into HF's
+dynamic cache, whose keys and values are copied once into a static cache laid out for
+`decode_attention` (sequence b's tokens at [0, its length): left padding drops out). Each new
+token is then one decode step over the model's weights: our norms, rope, decode attention and
+SwiGLU, the products through torch (cuBLAS), the token picked on the GPU (greedy, or sampled with
+temperature, top-k and top-p as HF's processors), finished sequences padded on the GPU. On a GPU
+the step is captured once as a CUDA graph and replayed; the host looks at the finished flags
+every HOST_CHECK_EVERY tokens. The result is the LongTensor HF's `generate` returns. Design:
+docs/generate.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import runtime
+from .ops.decode_attention import HEAD_DIMS, decode_attention
+from .ops.norm import add_rms_norm, rms_norm
+from .ops.rope import apply_rope
+from .ops.swiglu import swiglu
+
+# Dense Llama-family models whose decoder layer is Llama's (pre-norm attention and SwiGLU MLP);
+# qwen3 normalises q and k per head before rope.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Rotary tables that depend on the positions alone (others rescale with the sequence length).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+# Cache lengths round up to this: one captured step serves every length in a block.
+CACHE_BLOCK = 256
+# Tokens between the host's looks at the finished flags (each look is a synchronisation).
+HOST_CHECK_EVERY = 16
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `generate` cannot decode this model (None when it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act {config.hidden_act!r} is not SiLU"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of decode_attention's {HEAD_DIMS}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return "the model is not a ForCausalLM of a decoder stack"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                       mlp.down_proj):
+            if type(linear) is not torch.nn.Linear:
+                return f"a projection is a {type(linear).__name__}, not a plain nn.Linear"
+    if type(model.lm_head) is not torch.nn.Linear:
+        return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear"
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
+        return f"parameters of dtypes {sorted(map(str, dtypes))}: one of float32, float16, bfloat16 is needed"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return "parameters on several devices"
+    return None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is picked: greedy (do_sample False) or drawn after HF's temperature, top-k and
+    top-p processors, in that order."""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def check(self) -> None:
+        if not self.do_sample:
+            return
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"generate: temperature must be a positive number, got {self.temperature!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise ValueError(f"generate: top_k must be None or an int >= 0, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"generate: top_p must be None or in (0, 1], got {self.top_p!r}")
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each row of float32 logits (B, V), on the device, without a host
+        synchronisation (a CUDA graph holds it)."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1.0:
+            ascending, order = logits.sort(dim=-1)
+            # HF drops the tokens whose cumulative probability, counted from the least likely, stays
+            # within 1 - top_p, and always keeps the most likely.
+            drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            drop[:, -1] = False
+            logits = logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
+        # A draw from softmax(logits): argmax of p / E with E ~ Exp(1) (no host look, unlike
+        # torch.multinomial's checks).
+        probs = logits.softmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """An HF RMSNorm's (weight, eps)."""
+    return module.weight, module.variance_epsilon
+
+
+class _Decoder:
+    """A decode step of one model: the state between tokens lives in tensors of a fixed size and
+    address (tokens, positions, caches, output), so that one CUDA graph replays every step."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, capacity: int, sampling: Sampling,
+                 eos: tuple[int, ...], pad: int, cuda_graph: bool):
+        config, inner = model.config, model.model
+        self.model, self.inner, self.sampling, self.batch, self.capacity = model, inner, sampling, batch, capacity
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.qk_norm = config.model_type == "qwen3"
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.windows = [self._window(config, layer.self_attn) for layer in inner.layers]
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        # Past a sequence's length the cache is never read (poisoned in the tests).
+        self.k_caches = [runtime.empty(shape, dtype, device) for _ in inner.layers]
+        self.v_caches = [runtime.empty(shape, dtype, device) for _ in inner.layers]
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        # The step each sequence finished at (capacity while it runs).
+        self.finished_at = torch.zeros(batch, dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.eos = torch.tensor(eos if eos else (-1,), dtype=torch.long, device=device)
+        self.pad = torch.tensor(pad, dtype=torch.long, device=device)
+        self.capture = cuda_graph and device.type == "cuda"
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @staticmethod
+    def _window(config, attn) -> int | None:
+        """decode_attention's window of a layer: HF's sliding_window w lets a query see itself and
+        the w - 1 keys before it."""
+        window = (getattr(config, "sliding_window", None) if config.model_type == "mistral"
+                  else getattr(attn, "sliding_window", None))
+        return None if window is None else window - 1
+
+    def start(self, prompt_keys: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor,
+              first: torch.Tensor) -> None:
+        """Copy the prefill's cache (left-padded to P) into ours and take the first new token."""
+        P = prompt_keys[0][0].shape[2]
+        # Sequence b's P - lengths[b] pads come first in HF's cache; ours starts at its first token.
+        index = (torch.arange(P, device=lengths.device)[None, :] + (P - lengths)[:, None]).clamp_(max=P - 1)
+        index = index[:, None, :, None].expand(self.batch, self.kv_heads, P, self.head_dim)
+        for (keys, values), k_cache, v_cache in zip(prompt_keys, self.k_caches, self.v_caches):
+            k_cache[:, :, :P].copy_(keys.gather(2, index))
+            v_cache[:, :, :P].copy_(values.gather(2, index))
+        self.positions.copy_(lengths)
+        self.lengths.copy_(lengths + 1)
+        self.done.zero_()
+        self.finished_at.fill_(self.capacity)
+        self.step_index.zero_()
+        self._record(first)
+
+    def _record(self, picked: torch.Tensor) -> None:
+        """Write a step's tokens (pad for finished sequences) and update the finished flags."""
+        picked = torch.where(self.done, self.pad, picked)
+        self.out.scatter_(1, self.step_index.expand(self.batch, 1), picked[:, None])
+        newly = torch.isin(picked, self.eos) & ~self.done
+        self.finished_at.copy_(torch.where(newly, self.step_index, self.finished_at))
+        self.done.logical_or_(newly)
+        self.tokens.copy_(picked)
+        self.step_index.add_(1)
+
+    def step(self) -> None:
+        """One token a sequence: the model at self.tokens, the next token recorded."""
+        B, H, Hkv, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        x = self.inner.embed_tokens(self.tokens)
+        cos, sin = self.inner.rotary_emb(x, self.positions[:, None])
+        at = self.positions.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+        mlp_out = residual = None
+        for layer, k_cache, v_cache, window in zip(self.inner.layers, self.k_caches, self.v_caches, self.windows):
+            attn, mlp = layer.self_attn, layer.mlp
+            if residual is None:
+                h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
+            else:
+                h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
+            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, 1, H, D)
+            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, 1, Hkv, D)
+            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, 1, Hkv, D)
+            if self.qk_norm:
+                q, k = rms_norm(q, *_norm(attn.q_norm)), rms_norm(k, *_norm(attn.k_norm))
+            q, k = apply_rope(q, k, cos, sin, layout="bshd")
+            k_cache.scatter_(2, at, k.transpose(1, 2))
+            v_cache.scatter_(2, at, v.transpose(1, 2))
+            o = decode_attention(q.transpose(1, 2), k_cache, v_cache, self.lengths, attn.scaling, window)
+            o = F.linear(o.transpose(1, 2).reshape(B, H * D), attn.o_proj.weight, attn.o_proj.bias)
+            h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
+            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            mlp_out = F.linear(swiglu(gate, up), mlp.down_proj.weight, mlp.down_proj.bias)
+        h, _ = add_rms_norm(mlp_out, residual, *_norm(self.inner.norm))
+        logits = F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias).float()
+        self._record(self.sampling.pick(logits))
+        self.positions.add_(1)
+        self.lengths.add_(1)
+
+    def run(self, steps: int) -> None:
+        """`steps` decode steps (eagerly the first time, then replays of the captured step on a
+        GPU), stopping early once every sequence finished."""
+        for i in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+            elif self.capture and i > 0:
+                # The first step ran eagerly: Triton compiled and tuned, cuBLAS has its workspace.
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()
+                self.graph.replay()
+            else:
+                self.step()
+            if (i + 1) % HOST_CHECK_EVERY == 0 and bool(self.done.all()):
+                return
+
+    def tokens_made(self, steps: int) -> int:
+        """How many tokens HF's generate would have returned: up to the step at which the last
+        sequence finished, else all of them."""
+        if bool(self.done.all()):
+            return int(self.finished_at.max()) + 1
+        return steps
+
+
+# Where a model keeps the decoder of its latest call: its caches are the model's KV memory until
+# a call of another batch size, cache block or sampling replaces it, or release(model).
+DECODER = "_tritonformer_decoder"
+
+
+def _decoder(model, batch: int, needed: int, sampling: Sampling, eos: tuple[int, ...], pad: int,
+             cuda_graph: bool) -> _Decoder:
+    capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
+    key = (batch, capacity, sampling, eos, pad, cuda_graph)
+    kept = model.__dict__.get(DECODER)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    release(model)
+    decoder = _Decoder(model, batch, capacity, sampling, eos, pad, cuda_graph)
+    model.__dict__[DECODER] = (key, decoder)
+    return decoder
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free the KV cache and CUDA graph that `generate` keeps on the model for its next call."""
+    model.__dict__.pop(DECODER, None)
+
+
+def _eos_ids(eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"generate: eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return ids
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None, cuda_graph: bool = True) -> torch.Tensor:
+    """Greedy or sampled decoding of a Llama, Mistral, Qwen2 or Qwen3 causal LM (HF's, patched or
+    not): the prompt (B, P) with its new tokens, (B, P + n), as HF's `generate` returns it with
+    the same arguments. Left-padded batches take their attention_mask. A sequence that produced
+    an eos token gets pad_token_id (default: the first eos) after it; decoding stops when all
+    have, or after max_new_tokens. Sampling follows temperature, then top_k, then top_p (None:
+    not applied; HF's generate defaults top_k to 50) and draws from torch's default generator.
+    On a GPU the decode step is captured as a CUDA graph (cuda_graph=False runs it eagerly); the
+    model keeps its cache and graph for the next call of the same batch size (release(model)).
+    """
+    reason = unsupported(model)
+    if reason is not None:
+        raise ValueError(f"tritonformer.generate: this model is not supported: {reason}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
+        raise TypeError("tritonformer.generate: input_ids must be a 2-D LongTensor (batch, prompt)")
+    device = model.lm_head.weight.device
+    if input_ids.device != device:
+        raise ValueError(f"tritonformer.generate: input_ids are on {input_ids.device}, the model on {device}")
+    B, P = input_ids.shape
+    if B == 0 or P == 0:
+        raise ValueError(f"tritonformer.generate: input_ids of shape {tuple(input_ids.shape)}: a prompt needs a token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"tritonformer.generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and P + max_new_tokens > limit:
+        raise ValueError(f"tritonformer.generate: prompt {P} + max_new_tokens {max_new_tokens} passes the "
+                         f"model's max_position_embeddings {limit}")
+    if attention_mask is not None and (attention_mask.shape != input_ids.shape or attention_mask.device != device):
+        raise ValueError(f"tritonformer.generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)} "
+                         f"and device, got {tuple(attention_mask.shape)} on {attention_mask.device}")
+    sampling = Sampling(bool(do_sample), float(temperature), top_k, top_p)
+    sampling.check()
+    eos = _eos_ids(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+
+    # The prefill, positions counted from each sequence's first token as HF's generate does.
+    from transformers import DynamicCache  # a soft dependency: only models from transformers get here
+
+    if attention_mask is None:
+        lengths = torch.full((B,), P, dtype=torch.long, device=device)
+        positions = torch.arange(P, device=device).expand(B, P)
+    else:
+        attention_mask = attention_mask.long()
+        lengths = attention_mask.sum(dim=1)
+        positions = (attention_mask.cumsum(dim=1) - 1).masked_fill_(attention_mask == 0, 1)
+    cache = DynamicCache()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    decoder = _decoder(model, B, P + max_new_tokens, sampling, eos, int(pad_token_id), cuda_graph)
+    decoder.start([(layer.keys, layer.values) for layer in cache.layers], lengths, sampling.pick(logits))
+    del cache
+    decoder.run(max_new_tokens - 1)
+    made = decoder.tokens_made(max_new_tokens)
+    return torch.cat([input_ids, decoder.out[:, :made]], dim=1)

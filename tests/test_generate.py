@@ -1,0 +1,232 @@
+"""tritonformer.generate against HF's generate: the same tokens (fp32 greedy, ragged batches,
+eos and padding), the same sampling distribution, HF's argmax within bf16 tolerance, and a
+patched model's generate taking our path only for the arguments it implements."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tritonformer import generate as decoding
+from tritonformer.integrations import hf
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
+    # Head dim 32: the smallest decode_attention takes. Mistral gets a window shorter than the
+    # prompt plus its new tokens; Qwen2 biases on q, k and v.
+    sizes = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=32)
+    if family == "mistral":
+        sizes["sliding_window"] = 9
+    sizes.update(overrides)
+    config = getattr(transformers, CONFIGS[family])(**sizes)
+    return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def _ragged_prompt(device, lengths=(11, 7, 11, 3), pad=0):
+    """Left-padded prompts of the given lengths: (input_ids, attention_mask)."""
+    P = max(lengths)
+    ids = torch.randint(1, VOCAB, (len(lengths), P), device=device)
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, :P - n] = pad
+        mask[b, :P - n] = 0
+    return ids, mask
+
+
+def _hf_generate(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_greedy_tokens_are_hfs_with_padding_and_eos(family, device):
+    """A ragged batch: HF's tokens exactly, and with an eos that some sequences reach (padded after
+    it, the output as long as HF's) HF's too."""
+    model = _model(family, device=device)
+    ids, mask = _ragged_prompt(device)
+    free = _hf_generate(model, ids, mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(ours, free)
+    # An eos the first sequence makes at its 6th new token: it stops there, the others may too.
+    eos = int(free[0, ids.shape[1] + 5])
+    expected = _hf_generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    assert ours.shape == expected.shape and torch.equal(ours, expected)
+    assert (ours[0, ids.shape[1] + 6:] == VOCAB - 1).all()
+
+
+def test_greedy_64_tokens_at_batch_1(device):
+    model = _model("llama", device=device)
+    ids = torch.randint(0, VOCAB, (1, 9), device=device)
+    expected = _hf_generate(model, ids, None, max_new_tokens=64, eos_token_id=None)
+    assert torch.equal(decoding.generate(model, ids, max_new_tokens=64), expected)
+
+
+def test_all_sequences_ending_stops_early(device):
+    """Every sequence reaches the eos: the output ends at the step the last one did, as HF's."""
+    model = _model("qwen2", device=device)
+    ids, mask = _ragged_prompt(device, lengths=(5, 8))
+    free = _hf_generate(model, ids, mask, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    new = free[:, ids.shape[1]:]
+    # Each sequence's token at a step of its own (one might make the other's earlier: either way
+    # both stop before 40 tokens).
+    eos = [int(new[0, 9]), int(new[1, 14])]
+    expected = _hf_generate(model, ids, mask, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    assert expected.shape[1] < free.shape[1]
+    assert torch.equal(ours, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_give_the_eager_steps_tokens(device):
+    model = _model("qwen3", device=device, dtype=torch.bfloat16)
+    ids, mask = _ragged_prompt(device)
+    graphed = decoding.generate(model, ids, mask, max_new_tokens=40)
+    assert model.__dict__[decoding.DECODER][1].graph is not None
+    eager = decoding.generate(model, ids, mask, max_new_tokens=40, cuda_graph=False)
+    assert torch.equal(graphed, eager)
+    # A second call replays the kept graph on the new prompt.
+    ids2, mask2 = _ragged_prompt(device, lengths=(2, 11, 9, 6))
+    assert torch.equal(decoding.generate(model, ids2, mask2, max_new_tokens=40),
+                       decoding.generate(model, ids2, mask2, max_new_tokens=40, cuda_graph=False))
+
+
+def test_bf16_tokens_are_hfs_argmax_within_tolerance(device):
+    """bf16: at every new position, our token's logit in HF's teacher-forced forward of the same
+    sequence is within bf16 rounding of HF's largest."""
+    model = _model("llama", dtype=torch.bfloat16, device=device)
+    ids, mask = _ragged_prompt(device, lengths=(10, 6))
+    ours = decoding.generate(model, ids, mask, max_new_tokens=24)
+    full_mask = torch.cat([mask, torch.ones_like(ours[:, ids.shape[1]:])], dim=1)
+    positions = (full_mask.cumsum(1) - 1).clamp_(min=0)
+    logits = model(input_ids=ours, attention_mask=full_mask, position_ids=positions).logits.float()
+    P = ids.shape[1]
+    picked = logits[:, P - 1:-1].gather(2, ours[:, P:, None])[..., 0]
+    best = logits[:, P - 1:-1].max(dim=2).values
+    scale = logits.abs().amax()
+    assert (best - picked <= 0.02 * scale).all(), (best - picked).max()
+
+
+def _hf_probabilities(logits, temperature, top_k, top_p):
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers(None, logits.clone()).softmax(dim=-1)
+
+
+def _chi_square_bound(df: int, z: float = 4.26) -> float:
+    """Wilson-Hilferty's chi-square quantile for df degrees of freedom at z standard deviations
+    (4.26: a false failure in 1e5)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 6, 0.9), (1.0, None, 0.6), (1.4, 3, None), (1.0, None, None)])
+def test_sampling_draws_hfs_distribution(device, temperature, top_k, top_p):
+    logits = torch.randn(1, 12, device=device, dtype=torch.float32) * 2
+    draws = 40000
+    sampling = decoding.Sampling(True, temperature, top_k, top_p)
+    tokens = sampling.pick(logits.expand(draws, -1).contiguous())
+    counts = torch.bincount(tokens, minlength=12).double().cpu()
+    probs = _hf_probabilities(logits, temperature, top_k, top_p)[0].double().cpu()
+    assert counts[probs == 0].sum() == 0, "a token HF's processors remove was drawn"
+    kept = probs > 0
+    if kept.sum() == 1:
+        assert counts[kept].item() == draws
+        return
+    expected = probs[kept] * draws
+    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    assert chi2 < _chi_square_bound(int(kept.sum()) - 1), chi2
+
+
+def test_sampling_reproducible_from_the_seed(device):
+    model = _model("qwen3", device=device)
+    ids, mask = _ragged_prompt(device, lengths=(4, 7))
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        outputs.append(decoding.generate(model, ids, mask, max_new_tokens=12, do_sample=True, temperature=0.9,
+                                         top_k=20, top_p=0.95))
+    assert torch.equal(*outputs)
+
+
+def test_patched_generate_takes_our_path_only_for_what_it_implements(device, monkeypatch):
+    model = _model("llama", device=device, eos_token_id=3, pad_token_id=0)
+    reference = copy.deepcopy(model)
+    hf.patch(model)
+    calls = []
+    real = decoding.generate
+    monkeypatch.setattr(decoding, "generate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    ids, mask = _ragged_prompt(device, lengths=(6, 9))
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10),
+                       reference.generate(ids, attention_mask=mask, max_new_tokens=10))
+    assert len(calls) == 1 and calls[0]["eos_token_id"] == 3 and calls[0]["max_new_tokens"] == 10
+    # No mask given, pads in the prompt: HF reads the mask off them, and so does the request.
+    assert torch.equal(model.generate(ids, max_length=15), reference.generate(ids, max_length=15))
+    assert len(calls) == 2 and torch.equal(calls[1]["attention_mask"], mask)
+    # A processor the decoder lacks, or an output option: HF's generate, HF's tokens.
+    for kwargs in (dict(repetition_penalty=1.3), dict(num_beams=2), dict(return_dict_in_generate=True,
+                                                                         output_scores=True)):
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+        theirs = reference.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+        assert len(calls) == 2
+        assert torch.equal(ours if isinstance(ours, torch.Tensor) else ours.sequences,
+                           theirs if isinstance(theirs, torch.Tensor) else theirs.sequences)
+    # Sampling arguments go through, with HF's default top_k of 50.
+    torch.manual_seed(0)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_p=0.8)
+    assert calls[-1]["top_k"] == 50 and calls[-1]["top_p"] == 0.8 and calls[-1]["do_sample"]
+    hf.unpatch(model)
+    assert "generate" not in model.__dict__ and decoding.DECODER not in model.__dict__
+
+
+def test_the_decoder_is_kept_per_batch_and_released(device):
+    model = _model("llama", device=device)
+    ids = torch.randint(0, VOCAB, (2, 5), device=device)
+    decoding.generate(model, ids, max_new_tokens=3)
+    kept = model.__dict__[decoding.DECODER][1]
+    decoding.generate(model, ids[:, :4], max_new_tokens=5)
+    assert model.__dict__[decoding.DECODER][1] is kept
+    decoding.generate(model, ids[:1], max_new_tokens=3)
+    assert model.__dict__[decoding.DECODER][1] is not kept
+    decoding.release(model)
+    assert decoding.DECODER not in model.__dict__
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_new_tokens=125), ValueError, "max_position_embeddings"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
+    (dict(do_sample=True, top_p=1.5), ValueError, "top_p"),
+    (dict(eos_token_id="2"), TypeError, "eos_token_id"),
+])
+def test_bad_arguments_are_named_before_any_work(device, kwargs, error, match, monkeypatch):
+    model = _model("llama", device=device)
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(error, match=match):
+        decoding.generate(model, torch.randint(0, VOCAB, (1, 4), device=device), **kwargs)
+
+
+def test_unsupported_models_and_inputs_are_refused(device):
+    gemma = transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32))
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with pytest.raises(ValueError, match="model_type 'gemma'"):
+        decoding.generate(gemma, ids)
+    model = _model("llama", device=device)
+    with pytest.raises(TypeError, match="LongTensor"):
+        decoding.generate(model, ids.float().to(device))
+    with pytest.raises(ValueError, match="attention_mask"):
+        decoding.generate(model, ids.to(device), torch.ones(1, 5, dtype=torch.long, device=device))
+    model.model.layers[0].mlp.up_proj = torch.nn.Sequential(model.model.layers[0].mlp.up_proj)
+    assert "nn.Linear" in decoding.unsupported(model)
