@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tritonformer import generate as decoding
+from tritonformer import decoding
 from tritonformer.integrations import hf
 
 transformers = pytest.importorskip("transformers")

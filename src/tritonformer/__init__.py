@@ -3,6 +3,7 @@
 from . import runtime  # first: it picks the interpreter before triton is imported
 from . import quant
 from .capture import capture_step
+from .decoding import generate, release
 from .ops.add import add
 from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
@@ -18,4 +19,4 @@ from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "gpt_oss_experts", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]
+__all__ = ["add", "add_rms_norm", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "generate", "gpt_oss_experts", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "release", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

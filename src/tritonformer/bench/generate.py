@@ -87,7 +87,7 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
     import torch
 
     import tritonformer  # before transformers: picks the interpreter without a GPU
-    from tritonformer import generate as decoding
+    from tritonformer import decoding
     from tritonformer import runtime
 
     device = torch.device(runtime.DEVICE)

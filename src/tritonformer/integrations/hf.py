@@ -46,7 +46,7 @@ What is swapped, per family (FAMILIES):
   HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
   with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
   is, the unfused one (eval, LoRA on lm_head) in the logits' dtype;
-- generation: `model.generate(...)` runs `tritonformer.generate.generate` (static KV cache,
+- generation: `model.generate(...)` runs `tritonformer.generate` (static KV cache,
   decode attention, the decode step as one CUDA graph) for the dense families it decodes when
   every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
   pad ids, max_new_tokens or max_length, an attention mask); any other argument, processor or
@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import generate as decoding
+from .. import decoding
 from .. import runtime
 from ..nn import attention_forward
 from ..ops import attention as attention_op

@@ -264,7 +264,8 @@ def _decoder(model, batch: int, needed: int, sampling: Sampling, eos: tuple[int,
 
 
 def release(model: torch.nn.Module) -> None:
-    """Free the KV cache and CUDA graph that `generate` keeps on the model for its next call."""
+    """Free the KV cache and CUDA graph that `generate` keeps on the model for its next call
+    (`tritonformer.release`)."""
     model.__dict__.pop(DECODER, None)
 
 
