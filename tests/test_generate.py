@@ -8,8 +8,11 @@ import math
 import pytest
 import torch
 
+import tritonformer.nn
 from tritonformer import decoding
 from tritonformer.integrations import hf
+
+from conftest import gpu_only
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,7 +86,7 @@ def test_all_sequences_ending_stops_early(device):
     assert torch.equal(ours, expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@gpu_only
 def test_cuda_graph_replays_give_the_eager_steps_tokens(device):
     model = _model("qwen3", device=device, dtype=torch.bfloat16)
     ids, mask = _ragged_prompt(device)
@@ -230,3 +233,31 @@ def test_unsupported_models_and_inputs_are_refused(device):
         decoding.generate(model, ids.to(device), torch.ones(1, 5, dtype=torch.long, device=device))
     model.model.layers[0].mlp.up_proj = torch.nn.Sequential(model.model.layers[0].mlp.up_proj)
     assert "nn.Linear" in decoding.unsupported(model)
+
+
+# nvfp4's products take minutes under the interpreter; mxfp8 runs the same path on a CPU.
+@pytest.mark.parametrize("fmt", [pytest.param("nvfp4", marks=gpu_only), "mxfp8"])
+def test_quantized_weights_decode_as_hfs_generate_of_the_same_model(device, fmt):
+    """hf.patch(model, weights=fmt): the layers' projections become block-scaled, lm_head and the
+    embedding stay bf16, and our decoding of it gives HF's generate's tokens on the same model.
+    (The interpreter emulates the block-scaled products slowly: one layer and 3 tokens on a CPU.)"""
+    on_gpu = device != "cpu"
+    model = _model("qwen2", dtype=torch.bfloat16, device=device, num_hidden_layers=2 if on_gpu else 1,
+                   eos_token_id=None, pad_token_id=0)
+    hf.patch(model, weights=fmt)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(type(m) is tritonformer.nn.QuantizedLinear and m.fmt == fmt
+               for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(1, VOCAB, (2, 5), device=device)
+    new = 16 if on_gpu else 3
+    ours = model.generate(ids, max_new_tokens=new)
+    assert decoding.DECODER in model.__dict__, "the patched generate did not decode"
+    assert torch.equal(ours, type(model).generate(model, ids, max_new_tokens=new))
+
+
+def test_the_weights_option_names_what_it_cannot_take(device):
+    with pytest.raises(ValueError, match="weights must be one of"):
+        hf.patch(_model("llama", dtype=torch.bfloat16, device=device), weights="int4")
+    with pytest.raises(ValueError, match="bfloat16 model"):
+        hf.patch(_model("llama", device=device), weights="nvfp4")

@@ -213,11 +213,15 @@ def test_greedy_generation_matches_with_a_kv_cache(device, spy_attention, monkey
     model.eval(), reference.eval()
     ids = _ids(device, B=1, S=5)
     with torch.no_grad():
-        ours = model.generate(ids, max_new_tokens=6, do_sample=False)
+        # HF's own generate over the patched model (the path of arguments tritonformer.generate
+        # does not take): our attention for the prefill and each decode step.
+        ours = type(model).generate(model, ids, max_new_tokens=6, do_sample=False)
         theirs = reference.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(ours, theirs)
     assert all(shape[2] == 5 for shape in spy_attention)  # the prefill: the flash kernel
     assert len(decodes) == 2 * 5 and all(shape[2] == 1 for shape in decodes)  # each decode step, each layer
+    # The patched model's generate (tritonformer.generate here) gives the same tokens.
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), theirs)
 
 
 def test_gradient_checkpointing(device):

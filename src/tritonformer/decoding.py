@@ -6,7 +6,8 @@ The prompt runs through the model itself (patched or not: a prefill is compute-b
 dynamic cache, whose keys and values are copied once into a static cache laid out for
 `decode_attention` (sequence b's tokens at [0, its length): left padding drops out). Each new
 token is then one decode step over the model's weights: our norms, rope, decode attention and
-SwiGLU, the products through torch (cuBLAS), the token picked on the GPU (greedy, or sampled with
+SwiGLU, the products through the projection modules (cuBLAS for nn.Linear, scaled_matmul for
+the block-scaled weights of hf.patch(model, weights=...)), the token picked on the GPU (greedy, or sampled with
 temperature, top-k and top-p as HF's processors), finished sequences padded on the GPU. On a GPU
 the step is captured once as a CUDA graph and replayed; the host looks at the finished flags
 every HOST_CHECK_EVERY tokens. The result is the LongTensor HF's `generate` returns. Design:
@@ -19,9 +20,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import runtime
+from .nn import QuantizedLinear
 from .ops.decode_attention import HEAD_DIMS, decode_attention
 from .ops.norm import add_rms_norm, rms_norm
 from .ops.rope import apply_rope
@@ -60,11 +61,13 @@ def unsupported(model: torch.nn.Module) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                        mlp.down_proj):
-            if type(linear) is not torch.nn.Linear:
-                return f"a projection is a {type(linear).__name__}, not a plain nn.Linear"
+            if type(linear) not in (torch.nn.Linear, QuantizedLinear):
+                return f"a projection is a {type(linear).__name__}, not a plain nn.Linear or QuantizedLinear"
     if type(model.lm_head) is not torch.nn.Linear:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear"
     dtypes = {p.dtype for p in model.parameters()}
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()) and dtypes != {torch.bfloat16}:
+        return "block-scaled projections take bf16 activations: the model must be bf16"
     if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
         return f"parameters of dtypes {sorted(map(str, dtypes))}: one of float32, float16, bfloat16 is needed"
     devices = {p.device for p in model.parameters()}
@@ -200,22 +203,20 @@ class _Decoder:
                 h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
             else:
                 h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, 1, H, D)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, 1, Hkv, D)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, 1, Hkv, D)
+            q = attn.q_proj(h).view(B, 1, H, D)
+            k = attn.k_proj(h).view(B, 1, Hkv, D)
+            v = attn.v_proj(h).view(B, 1, Hkv, D)
             if self.qk_norm:
                 q, k = rms_norm(q, *_norm(attn.q_norm)), rms_norm(k, *_norm(attn.k_norm))
             q, k = apply_rope(q, k, cos, sin, layout="bshd")
             k_cache.scatter_(2, at, k.transpose(1, 2))
             v_cache.scatter_(2, at, v.transpose(1, 2))
             o = decode_attention(q.transpose(1, 2), k_cache, v_cache, self.lengths, attn.scaling, window)
-            o = F.linear(o.transpose(1, 2).reshape(B, H * D), attn.o_proj.weight, attn.o_proj.bias)
+            o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
             h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
-            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            mlp_out = F.linear(swiglu(gate, up), mlp.down_proj.weight, mlp.down_proj.bias)
+            mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
         h, _ = add_rms_norm(mlp_out, residual, *_norm(self.inner.norm))
-        logits = F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias).float()
+        logits = self.model.lm_head(h).float()
         self._record(self.sampling.pick(logits))
         self.positions.add_(1)
         self.lengths.add_(1)

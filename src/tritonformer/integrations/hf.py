@@ -69,9 +69,9 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import decoding
+from .. import decoding, quant
 from .. import runtime
-from ..nn import attention_forward
+from ..nn import QuantizedLinear, attention_forward
 from ..ops import attention as attention_op
 from ..ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from ..ops import moe as moe_op
@@ -822,13 +822,44 @@ def unpatch_family(name: str) -> None:
 
 # ---- one model ----
 
-def patch(model: torch.nn.Module, attention: bool = True) -> torch.nn.Module:
+# The decoder layers' projections that weights= quantizes (attention and dense MLP; not routers,
+# experts or lm_head).
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
+    if fmt not in quant.FORMATS:
+        raise ValueError(f"tritonformer.integrations.hf.patch: weights must be one of {', '.join(quant.FORMATS)}, "
+                         f"got {fmt!r}")
+    layers = base.model.layers
+    dtypes = {p.dtype for layer in layers for p in layer.parameters()}
+    if dtypes != {torch.bfloat16}:
+        raise ValueError(f"tritonformer.integrations.hf.patch: weights={fmt!r} takes a bfloat16 model (its "
+                         f"activations stay bf16), got parameters of {sorted(map(str, dtypes))}")
+    for layer in layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name in QUANTIZED_PROJECTIONS:
+                linear = getattr(owner, name, None)
+                if type(linear) is torch.nn.Linear:
+                    setattr(owner, name, QuantizedLinear.from_linear(linear, fmt))
+
+
+def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None) -> torch.nn.Module:
     """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen3-MoE, Qwen2-MoE,
     Mixtral or OLMoE model, also inside a PEFT wrapper) in place and return it; patching twice is
     harmless. attention=False keeps the model's attention implementation, and so does a head dim
-    the attention kernels do not take (with a warning). MoE models' experts run moe_experts."""
+    the attention kernels do not take (with a warning). MoE models' experts run moe_experts.
+
+    weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
+    projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,
+    the products in scaled_matmul: decoding reads 3.6-1.9x fewer weight bytes); the embedding and
+    lm_head stay bf16 (the logits' precision; a tied lm_head is the embedding). The weights are
+    frozen (their inputs still get gradients, as for adapters) and unpatch leaves them quantized:
+    the conversion cannot be undone."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     family = _family_of(base)
+    if weights is not None:
+        _quantize_projections(base, weights)
     state = getattr(base, "_tritonformer", None)
     if state is not None:
         return model
