@@ -68,9 +68,11 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     model, reference = _models(family)
     model.to(device), reference.to(device)
     ids = _ids(device)
+    own = hf.FAMILIES[family]
     with torch.no_grad():
         assert_close(model(ids).logits, reference(ids).logits.double(), torch.float32)
-    assert len(spy_attention) == 2  # one call a layer, plain causal batch: no mask, our kernel
+    # One call a layer, plain causal batch: no mask, our kernel (GPT-OSS keeps its attention: sinks).
+    assert len(spy_attention) == (2 if own.attention else 0)
     model.train(), reference.train()
     out, ref = model(ids, labels=ids), reference(ids, labels=ids)
     assert out.logits is None  # training with labels: fused linear cross-entropy, no logits
@@ -84,10 +86,10 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     assert nodes.count("MoERouteFunctionBackward") == (2 if hf.FAMILIES[family].moe else 0)
     # Both residual adds of each layer: into post_attention_layernorm, and into the next layer's
     # input_layernorm (the last layer's into the model's final norm).
-    assert nodes.count("AddRMSNormFunctionBackward") == 4
+    assert nodes.count("AddRMSNormFunctionBackward") == (4 if own.add_norm else 0)
     # What is left unfused: the first layer's input norm (and Qwen3's and OLMoE's q and k norms).
     qk_norms = sum(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_modules())
-    assert nodes.count("NormFunctionBackward") == 1 + qk_norms
+    assert nodes.count("NormFunctionBackward") == (1 + qk_norms if own.norm else 0)
     assert_close(out.loss, ref.loss.double(), torch.float32)
     out.loss.backward(), ref.loss.backward()
     grads, ref_grads = _grads(model), _grads(reference)
@@ -569,10 +571,11 @@ MOE_CONFIGS = {
                                                      num_experts=6, num_experts_per_tok=2),
     "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=6, num_experts_per_tok=3),
+    "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 
 
-@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("family", sorted(set(MOE_CONFIGS) - {"gpt_oss"}))  # GPT-OSS's: the test after
 def test_experts_implementation_matches_hf_experts(family, device, monkeypatch):
     """experts_implementation="tritonformer" (registered on import) against HF's expert loop: the
     same logits, loss and gradients, and our experts do run."""

@@ -34,8 +34,10 @@ What is swapped, per family (FAMILIES):
   rotary embedding keeps its tables for it. Packing told by position_ids alone is detected
   as HF detects it without a KV cache (HF's own training forward, which makes a cache by
   default, skips that check);
-- mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the router runs `moe_route`
-  after HF's logits product, the experts module `moe_experts`
+- mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GPT-OSS): the router runs
+  `moe_route` after HF's logits product (GPT-OSS's: softmax over the top k of biased logits), the
+  experts module `moe_experts` (GPT-OSS's `gpt_oss_experts`; its RMSNorm, rope, attention with
+  sinks and decoder layer stay HF's)
   (experts_implementation="tritonformer", registered on import); with router logits asked for,
   HF's load-balancing loss joins the fused loss below;
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
@@ -92,8 +94,15 @@ class Family:
 
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
                  swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
-                 add_norm: bool = True, moe: bool = False, float32_routing: bool = False):
+                 add_norm: bool = True, moe: bool = False, float32_routing: bool = False, norm: bool = True,
+                 rope: bool = True, attention: bool = True, router_scoring: str = "softmax"):
         self.name, self.prefix = name, prefix
+        # norm, rope, attention: whether the family's RMSNorm, its apply_rotary_pos_emb and its
+        # attention function are the ones ours compute (GPT-OSS's are not: the weight multiplied
+        # before the cast, rotation by halves of half-width tables, attention sinks).
+        self.norm, self.rope, self.attention = norm, rope, attention
+        # router_scoring: moe_route's scoring of the family's router.
+        self.router_scoring = router_scoring
         # moe: the MLP of (some) layers is a mixture of experts whose experts module takes HF's
         # experts_implementation; swiglu_mlp then names the dense MLP class (shared experts,
         # dense layers) where the family has one.
@@ -131,6 +140,11 @@ FAMILIES = {
                       float32_routing=True),
     # OLMoE normalises the whole q and k projections between them and rope.
     "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True),
+    # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts) and
+    # loss are ours; its norms, rope, attention (sinks) and decoder layer (the MLP returns the
+    # router's scores too) stay HF's (docs/moe.md, "GPT-OSS").
+    "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True, norm=False,
+                      rope=False, attention=False, router_scoring="topk_softmax"),
 }
 
 
@@ -234,6 +248,8 @@ def _route_options(router: torch.nn.Module, family: Family) -> dict:
     keeps float32 weights; the others renormalise as configured and cast to the logits' dtype."""
     if family.float32_routing:
         return dict(normalize=True, weights_dtype=torch.float32)
+    if family.router_scoring != "softmax":
+        return dict(scoring=family.router_scoring)
     return dict(normalize=router.norm_topk_prob, weights_dtype=None)
 
 
@@ -246,7 +262,8 @@ def _router_forward(hf_forward, family: Family):
     def forward(self, hidden_states):
         if not _routes_with_moe_route(self) or torch.is_autocast_enabled(hidden_states.device.type):
             return hf_forward(self, hidden_states)
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight,
+                                            getattr(self, "bias", None))
         weights, experts = moe_op.moe_route(logits, self.top_k, **_route_options(self, family))
         return logits, weights, experts
 
@@ -476,7 +493,8 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
 
     x = activation(batch, seq, hidden_size)
     norm = layer.input_layernorm
-    runtime.warm(rms_norm, x, like(norm.weight), getattr(norm, family.norm_eps), family.norm_offset)
+    if family.norm:
+        runtime.warm(rms_norm, x, like(norm.weight), getattr(norm, family.norm_eps), family.norm_offset)
     norm = layer.post_attention_layernorm
     if family.add_norm:
         runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), like(norm.weight),
@@ -499,7 +517,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
         runtime.warm(qkv_rope, x, *(like(p.weight) for p in projections), cos, sin, *(like(p.bias) for p in projections))
-    else:
+    elif family.rope:
         runtime.warm(apply_rope, heads_view(heads), heads_view(kv_heads), cos, sin)
     # nn.attention_forward's call, when it is the model's attention; a window shorter than the
     # sequence goes to SDPA with HF's mask.
@@ -518,8 +536,8 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         else:
             width = mlp.gate_proj.out_features
             runtime.warm(swiglu, activation(batch, seq, width), activation(batch, seq, width))
-    # _router_forward's call.
-    router = getattr(layer.mlp, "gate", None)
+    # _router_forward's call (GPT-OSS names its router "router").
+    router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
     if family.moe and type(router) is family.cls("TopKRouter") and _routes_with_moe_route(router):
         runtime.warm(moe_op.moe_route, activation(batch * seq, router.num_experts), router.top_k,
                      **_route_options(router, family))
@@ -536,6 +554,15 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
                      torch.zeros(batch * seq, k, dtype=torch.long, device=device),
                      torch.empty(batch * seq, k, dtype=routing, device=device, requires_grad=True),
                      like(experts.gate_up_proj), like(experts.down_proj))
+    elif (family.moe and experts is not None and _runs_gpt_oss_experts(experts, dtype)
+          and not _is_sharded(experts.gate_up_proj)
+          and 3 * experts.gate_up_proj.numel() * experts.gate_up_proj.element_size() <= WARM_EXPERTS_MAX_BYTES):
+        k = config.num_experts_per_tok
+        runtime.warm(gpt_oss_experts, activation(batch * seq, hidden_size),
+                     torch.zeros(batch * seq, k, dtype=torch.long, device=device),
+                     torch.empty(batch * seq, k, dtype=dtype, device=device, requires_grad=True),
+                     *(like(getattr(experts, name)) for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                                 "down_proj_bias")), experts.alpha, experts.limit)
 
     target = torch.zeros(batch * seq, dtype=torch.long, device=device)
     # The weight's gradient is a cuBLAS product (no kernel of ours): its stand-in needs none, and
@@ -738,6 +765,8 @@ def _restore(owner, attr: str) -> None:
 
 
 def _patch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
+    if not family.rope:
+        return
     if model is not None:
         _ROPE_USERS.setdefault(family.name, weakref.WeakSet()).add(model)
     _set(family.module, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
@@ -756,7 +785,7 @@ def _replacements(family: Family) -> dict[type, object]:
     """The family's classes that get a forward of ours, each with that forward (built around
     HF's own, also when a class patch already wraps it)."""
     cls = family.cls
-    forwards = {cls("RMSNorm"): _norm_forward(family)}
+    forwards = {cls("RMSNorm"): _norm_forward(family)} if family.norm else {}
     if family.swiglu_mlp:
         forwards[cls("MLP")] = _mlp_forward(_hf_forward(cls("MLP")))
     if family.qkv_rope:
@@ -846,9 +875,10 @@ def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
 
 def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None) -> torch.nn.Module:
     """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen3-MoE, Qwen2-MoE,
-    Mixtral or OLMoE model, also inside a PEFT wrapper) in place and return it; patching twice is
-    harmless. attention=False keeps the model's attention implementation, and so does a head dim
-    the attention kernels do not take (with a warning). MoE models' experts run moe_experts.
+    Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
+    twice is harmless. attention=False keeps the model's attention implementation, and so does a
+    head dim the attention kernels do not take (with a warning). MoE models' experts run
+    moe_experts (GPT-OSS's gpt_oss_experts; its norms, rope and attention stay HF's).
 
     weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
     projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,
@@ -865,6 +895,8 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
         return model
     config = base.config
     head_dim = _head_dim(config)
+    # A family whose attention ours does not compute (GPT-OSS's sinks) keeps its own, silently.
+    attention = attention and family.attention
     if attention and head_dim not in attention_op.HEAD_DIMS:
         warnings.warn(f"tritonformer: head_dim {head_dim} is not one of the attention kernels' "
                       f"({', '.join(map(str, attention_op.HEAD_DIMS))}): the model keeps its attention "
