@@ -487,3 +487,45 @@ def test_qkv_rope_is_one_node_and_compiles(device):
     got = torch.autograd.grad(compile_fullgraph(loss)(x, *ws), (x, *ws))
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [32, 80])
+def test_rope_into_cache_is_apply_rope_and_the_cache_writes(device, dtype, D):
+    """rope_into_cache: q rotated as apply_rope rotates it (bit for bit), k rotated and v copied
+    into each sequence's row of the caches, nothing else of the caches touched; a position
+    outside the cache writes nothing."""
+    B, H, H_kv, S_max = 3, 6, 2, 9
+    q, k, v = (torch.randn(B, 1, n, D, device=device, dtype=dtype) for n in (H, H_kv, H_kv))
+    cos, sin = torch.randn(2, B, 1, D, device=device, dtype=dtype)
+    positions = torch.tensor([4, 0, S_max], device=device)  # the last past the cache's end
+    k_cache, v_cache = (torch.randn(B, H_kv, S_max, D, device=device, dtype=dtype) for _ in range(2))
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = rope_op.rope_into_cache(q[:, 0], k[:, 0], v[:, 0], cos, sin, positions, k_cache, v_cache)
+    q_ref, k_ref = tf.apply_rope(q, k, cos, sin, layout="bshd")
+    assert torch.equal(q_out, q_ref[:, 0])
+    for b, p in enumerate(positions.tolist()):
+        if p < S_max:
+            assert torch.equal(k_cache[b, :, p], k_ref[b, 0]) and torch.equal(v_cache[b, :, p], v[b, 0])
+            k_before[b, :, p], v_before[b, :, p] = k_cache[b, :, p], v_cache[b, :, p]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+def test_rope_into_cache_names_bad_input(device):
+    q, k = torch.randn(2, 4, 32, device=device), torch.randn(2, 2, 32, device=device)
+    cos = sin = torch.randn(2, 32, device=device)
+    cache = torch.zeros(2, 2, 8, 32, device=device)
+    positions = torch.zeros(2, dtype=torch.long, device=device)
+    call = rope_op.rope_into_cache
+    with pytest.raises(ValueError, match="do not fit"):
+        call(q, k, k, cos, sin, positions, torch.zeros(2, 3, 8, 32, device=device), torch.zeros(2, 3, 8, 32, device=device))
+    with pytest.raises(TypeError, match="share a dtype"):
+        call(q, k.half(), k.half(), cos, sin, positions, cache, cache.clone())
+    with pytest.raises(TypeError, match="positions"):
+        call(q, k, k, cos, sin, positions.int(), cache, cache.clone())
+    with pytest.raises(ValueError, match="cos must be"):
+        call(q, k, k, cos[:, :16], sin, positions, cache, cache.clone())
+    with pytest.raises(ValueError, match="unit stride"):
+        call(torch.randn(2, 32, 4, device=device).transpose(1, 2), k, k, cos, sin, positions, cache, cache.clone())
+    with pytest.raises(ValueError, match="requires grad"):
+        call(q.requires_grad_(), k, k, cos, sin, positions, cache, cache.clone())

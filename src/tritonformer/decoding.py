@@ -5,8 +5,8 @@
 The prompt runs through the model itself (patched or not: a prefill is compute-bound) into HF's
 dynamic cache, whose keys and values are copied once into a static cache laid out for
 `decode_attention` (sequence b's tokens at [0, its length): left padding drops out). Each new
-token is then one decode step over the model's weights: our norms, rope, decode attention and
-SwiGLU, the products through the projection modules (cuBLAS for nn.Linear, scaled_matmul for
+token is then one decode step over the model's weights: our norms, rope with the cache write,
+decode attention and SwiGLU, the products through the projection modules (cuBLAS for nn.Linear, scaled_matmul for
 the block-scaled weights of hf.patch(model, weights=...)), the token picked on the GPU (greedy, or sampled with
 temperature, top-k and top-p as HF's processors), finished sequences padded on the GPU. On a GPU
 the step is captured once as a CUDA graph and replayed; the host looks at the finished flags
@@ -25,7 +25,7 @@ from . import runtime
 from .nn import QuantizedLinear
 from .ops.decode_attention import HEAD_DIMS, decode_attention
 from .ops.norm import add_rms_norm, rms_norm
-from .ops.rope import apply_rope
+from .ops.rope import rope_into_cache
 from .ops.swiglu import swiglu
 
 # Dense Llama-family models whose decoder layer is Llama's (pre-norm attention and SwiGLU MLP);
@@ -195,7 +195,6 @@ class _Decoder:
         B, H, Hkv, D = self.batch, self.heads, self.kv_heads, self.head_dim
         x = self.inner.embed_tokens(self.tokens)
         cos, sin = self.inner.rotary_emb(x, self.positions[:, None])
-        at = self.positions.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
         mlp_out = residual = None
         for layer, k_cache, v_cache, window in zip(self.inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
@@ -203,15 +202,12 @@ class _Decoder:
                 h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
             else:
                 h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
-            q = attn.q_proj(h).view(B, 1, H, D)
-            k = attn.k_proj(h).view(B, 1, Hkv, D)
-            v = attn.v_proj(h).view(B, 1, Hkv, D)
+            q = attn.q_proj(h).view(B, H, D)
+            k = attn.k_proj(h).view(B, Hkv, D)
             if self.qk_norm:
                 q, k = rms_norm(q, *_norm(attn.q_norm)), rms_norm(k, *_norm(attn.k_norm))
-            q, k = apply_rope(q, k, cos, sin, layout="bshd")
-            k_cache.scatter_(2, at, k.transpose(1, 2))
-            v_cache.scatter_(2, at, v.transpose(1, 2))
-            o = decode_attention(q.transpose(1, 2), k_cache, v_cache, self.lengths, attn.scaling, window)
+            q = rope_into_cache(q, k, attn.v_proj(h).view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
+            o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window)
             o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
             h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
             mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))

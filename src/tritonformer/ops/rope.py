@@ -603,6 +603,117 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     return _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v)
 
 
+# ---- a decode step's rope and KV-cache write, one launch ----
+
+@triton.jit
+def _rope_into_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    H, S_max, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
+    stride_ob, stride_oh, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (b, h): query head h < H rotated into q_out; KV head h - H's key rotated and its
+    value copied into the caches at sequence b's position (none written outside [0, S_max))."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < HALF
+    c1 = tl.load(cos_ptr + b * stride_cb + cols, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + b * stride_cb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + b * stride_sb + cols, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + b * stride_sb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    if h < H:
+        src = q_ptr + b * stride_qb + h * stride_qh + cols
+        dst = q_out_ptr + b * stride_ob + h * stride_oh + cols
+        y1, y2 = _rotated(tl.load(src, mask=ok).to(tl.float32), tl.load(src + HALF, mask=ok).to(tl.float32),
+                          c1, c2, s1, s2, False)
+        tl.store(dst, y1.to(q_out_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=ok)
+    else:
+        hk = h - H
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        ok = ok & (pos >= 0) & (pos < S_max)
+        src = k_ptr + b * stride_kb + hk * stride_kh + cols
+        dst = k_cache_ptr + b.to(tl.int64) * stride_kcb + hk * stride_kch + pos * stride_kcs + cols
+        y1, y2 = _rotated(tl.load(src, mask=ok).to(tl.float32), tl.load(src + HALF, mask=ok).to(tl.float32),
+                          c1, c2, s1, s2, False)
+        tl.store(dst, y1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        src = v_ptr + b * stride_vb + hk * stride_vh + cols
+        dst = v_cache_ptr + b.to(tl.int64) * stride_vcb + hk * stride_vch + pos * stride_vcs + cols
+        tl.store(dst, tl.load(src, mask=ok), mask=ok)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=ok), mask=ok)
+
+
+_launch_rope_into_cache = runtime.FastLaunch(_rope_into_cache_kernel)
+
+
+def _fake_rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache):
+    return torch.empty_like(q)
+
+
+@runtime.custom_op("rope_into_cache", fake=_fake_rope_into_cache, mutates_args=("k_cache", "v_cache"))
+@runtime.planned
+def rope_into_cache_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    q_out = runtime.empty(q.shape, q.dtype, q.device)
+    B, H, D = q.shape
+    grid = (B, H + k.shape[1])
+    scalars = (H, k_cache.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
+               *v_cache.stride()[:3])
+    if B == 0:
+        return q_out
+    entry = _launch_rope_into_cache(grid, q, k, v, cos, sin, positions, q_out, k_cache, v_cache, *scalars,
+                                    HALF=D // 2, BLOCK=runtime.next_power_of_2(D // 2))
+    if entry is not None:
+        runtime.keep_plan(functools.partial(_replay_rope_into_cache, entry, grid, scalars))
+    return q_out
+
+
+def _replay_rope_into_cache(entry, grid, scalars, q, k, v, cos, sin, positions, k_cache, v_cache):
+    q_out = runtime.empty(q.shape, q.dtype, q.device)
+    _launch_rope_into_cache.replay(entry, grid, q, k, v, cos, sin, positions, q_out, k_cache, v_cache, *scalars)
+    return q_out
+
+
+def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One new token a sequence, for decoding: returns q rotated, and writes k rotated and v into
+    the caches at each sequence's position (k_cache[b, :, positions[b]] = rope(k[b])), in one
+    launch instead of apply_rope's and two scatters'. q (B, H, D), k and v (B, H_kv, D); cos and
+    sin (B, D) or (B, 1, D) (HF's tables at the positions); positions (B,) int64 on the device (a
+    position outside [0, S_max) writes nothing); caches (B, H_kv, S_max, D). Every head dimension
+    has unit stride. The same rounding as apply_rope (float32, one rounding). No gradient."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        runtime.check_tensor(name, t)
+        if t.dim() != (4 if name.endswith("cache") else 3):
+            raise ValueError(f"rope_into_cache: {name} has shape {tuple(t.shape)}; see the doc for its dimensions")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"rope_into_cache: {name}'s head dimension must have unit stride")
+    B, H, D = q.shape
+    H_kv = k.shape[1]
+    if D % 2 or k.shape != (B, H_kv, D) or v.shape != k.shape or k_cache.shape[:2] != (B, H_kv) \
+            or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"rope_into_cache: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)} do not fit (B, H, D), (B, H_kv, D) "
+                         "and (B, H_kv, S_max, D) with D even")
+    if len({q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise TypeError("rope_into_cache: q, k, v and the caches must share a dtype")
+    cos, sin = (t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 and t.shape[1] == 1 else t for t in (cos, sin))
+    for name, t in (("cos", cos), ("sin", sin)):
+        runtime.check_tensor(name, t, TABLE_DTYPES)
+        if t.shape != (B, D) or t.stride(1) != 1:
+            raise ValueError(f"rope_into_cache: {name} must be ({B}, {D}) or ({B}, 1, {D}) with unit stride, "
+                             f"got {tuple(t.shape)}")
+    runtime.check_tensor("positions", positions, (torch.int64,))
+    if positions.shape != (B,):
+        raise ValueError(f"rope_into_cache: positions must have shape ({B},), got {tuple(positions.shape)}")
+    runtime.check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, positions=positions, k_cache=k_cache, v_cache=v_cache)
+    runtime.check_no_grad("rope_into_cache", q=q, k=k, v=v)
+    return rope_into_cache_fwd(q, k, v, cos, sin, positions, k_cache, v_cache)
+
+
 def qkv_rope_reference(x, w_q, w_k, w_v, cos, sin, b_q=None, b_k=None, b_v=None):
     q, k, v = _projected_heads(x, w_q, w_k, w_v, b_q, b_k, b_v, cos.shape[-1])
     q, k = apply_rope_reference(q, k, cos, sin, "bhsd")
