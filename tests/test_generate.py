@@ -17,18 +17,29 @@ from conftest import gpu_only
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
-CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+# Each family's config class and what its tiny model sets beyond the common sizes: Mistral and
+# Mixtral a window shorter than the prompt plus its new tokens; the mixtures of experts few small
+# experts (Qwen2-MoE a shared one too).
+CONFIGS = {
+    "llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=9)),
+    "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                                         norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=6,
+                                         num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=9)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=6, num_experts_per_tok=3)),
+}
 
 
 def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
-    # Head dim 32: the smallest decode_attention takes. Mistral gets a window shorter than the
-    # prompt plus its new tokens; Qwen2 biases on q, k and v.
+    # Head dim 32: the smallest decode_attention takes (4 heads of it: OLMoE normalises q and k over
+    # the hidden size).
+    name, extra = CONFIGS[family]
     sizes = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=32)
-    if family == "mistral":
-        sizes["sliding_window"] = 9
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=32, **extra)
     sizes.update(overrides)
-    config = getattr(transformers, CONFIGS[family])(**sizes)
+    config = getattr(transformers, name)(**sizes)
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
@@ -50,18 +61,19 @@ def _hf_generate(model, ids, mask, **kwargs):
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_tokens_are_hfs_with_padding_and_eos(family, device):
     """A ragged batch: HF's tokens exactly, and with an eos that some sequences reach (padded after
-    it, the output as long as HF's) HF's too."""
+    it, the output as long as HF's) HF's too; the mixtures of experts run their MLP as the model's
+    own module."""
     model = _model(family, device=device)
     ids, mask = _ragged_prompt(device)
-    free = _hf_generate(model, ids, mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-    ours = decoding.generate(model, ids, mask, max_new_tokens=20, pad_token_id=0)
+    free = _hf_generate(model, ids, mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=12, pad_token_id=0)
     assert torch.equal(ours, free)
-    # An eos the first sequence makes at its 6th new token: it stops there, the others may too.
-    eos = int(free[0, ids.shape[1] + 5])
-    expected = _hf_generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB - 1)
-    ours = decoding.generate(model, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    # An eos the first sequence makes at its 4th new token: it stops there, the others may too.
+    eos = int(free[0, ids.shape[1] + 3])
+    expected = _hf_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=VOCAB - 1)
     assert ours.shape == expected.shape and torch.equal(ours, expected)
-    assert (ours[0, ids.shape[1] + 6:] == VOCAB - 1).all()
+    assert (ours[0, ids.shape[1] + 4:] == VOCAB - 1).all()
 
 
 def test_greedy_64_tokens_at_batch_1(device):

@@ -58,7 +58,7 @@ class CaptureError(RuntimeError):
     """A step that a CUDA graph cannot hold, or a call that would replay one wrongly."""
 
 
-class _CudaGraph:
+class CudaGraph:
     """One captured step on a CUDA device (the backend that tests replace on the CPU)."""
 
     @staticmethod
@@ -140,7 +140,7 @@ def _hyperparameters(opt: torch.optim.Optimizer) -> list[tuple]:
 class CapturedStep:
     """`fn` replayed as a CUDA graph per argument layout; see the module doc."""
 
-    backend = _CudaGraph
+    backend = CudaGraph
 
     def __init__(self, fn: Callable, max_graphs: int = 16):
         if not callable(fn):

@@ -1,4 +1,5 @@
-"""`generate`: decoding of HuggingFace Llama-family models with a static KV cache of ours.
+"""`generate`: decoding of HuggingFace Llama-family models (dense and mixtures of experts) with a
+static KV cache of ours.
 
     tokens = tritonformer.generate(model, input_ids, attention_mask, max_new_tokens=128)
 
@@ -17,20 +18,36 @@ docs/generate.md.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from . import runtime
+from .capture import CudaGraph
 from .nn import QuantizedLinear
 from .ops.decode_attention import HEAD_DIMS, decode_attention
 from .ops.norm import add_rms_norm, rms_norm
 from .ops.rope import rope_into_cache
 from .ops.swiglu import swiglu
 
-# Dense Llama-family models whose decoder layer is Llama's (pre-norm attention and SwiGLU MLP);
-# qwen3 normalises q and k per head before rope.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+@dataclass(frozen=True)
+class Family:
+    """What a decode step needs to know of a Llama-family decoder layer (pre-norm attention, then
+    an MLP): q_norm "head" normalises q and k per head before rope (Qwen3), "whole" each whole
+    projection (OLMoE); moe: the MLP is a mixture of experts, run as the model's own module (its
+    router and experts: ours when patched); config_window: the window is the config's
+    sliding_window (else the attention module's, set on its sliding layers only)."""
+    q_norm: str | None = None
+    moe: bool = False
+    config_window: bool = False
+
+
+FAMILIES = {
+    "llama": Family(), "mistral": Family(config_window=True), "qwen2": Family(), "qwen3": Family(q_norm="head"),
+    "qwen3_moe": Family(q_norm="head", moe=True), "qwen2_moe": Family(moe=True),
+    "mixtral": Family(moe=True, config_window=True), "olmoe": Family(q_norm="whole", moe=True, config_window=True),
+}
 # Rotary tables that depend on the positions alone (others rescale with the sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Cache lengths round up to this: one captured step serves every length in a block.
@@ -59,8 +76,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return "the model is not a ForCausalLM of a decoder stack"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                       mlp.down_proj):
+        dense = () if FAMILIES[model_type].moe else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *dense):
             if type(linear) not in (torch.nn.Linear, QuantizedLinear):
                 return f"a projection is a {type(linear).__name__}, not a plain nn.Linear or QuantizedLinear"
     if type(model.lm_head) is not torch.nn.Linear:
@@ -135,9 +152,9 @@ class _Decoder:
         self.model, self.inner, self.sampling, self.batch, self.capacity = model, inner, sampling, batch, capacity
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.qk_norm = config.model_type == "qwen3"
+        self.family = FAMILIES[config.model_type]
         device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        self.windows = [self._window(config, layer.self_attn) for layer in inner.layers]
+        self.windows = [self._window(config, layer.self_attn, self.family) for layer in inner.layers]
         shape = (batch, self.kv_heads, capacity, self.head_dim)
         # Past a sequence's length the cache is never read (poisoned in the tests).
         self.k_caches = [runtime.empty(shape, dtype, device) for _ in inner.layers]
@@ -153,14 +170,13 @@ class _Decoder:
         self.eos = torch.tensor(eos if eos else (-1,), dtype=torch.long, device=device)
         self.pad = torch.tensor(pad, dtype=torch.long, device=device)
         self.capture = cuda_graph and device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: CudaGraph | None = None
 
     @staticmethod
-    def _window(config, attn) -> int | None:
+    def _window(config, attn, family: Family) -> int | None:
         """decode_attention's window of a layer: HF's sliding_window w lets a query see itself and
         the w - 1 keys before it."""
-        window = (getattr(config, "sliding_window", None) if config.model_type == "mistral"
-                  else getattr(attn, "sliding_window", None))
+        window = getattr(config if family.config_window else attn, "sliding_window", None)
         return None if window is None else window - 1
 
     def start(self, prompt_keys: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor,
@@ -202,15 +218,20 @@ class _Decoder:
                 h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
             else:
                 h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
-            q = attn.q_proj(h).view(B, H, D)
-            k = attn.k_proj(h).view(B, Hkv, D)
-            if self.qk_norm:
-                q, k = rms_norm(q, *_norm(attn.q_norm)), rms_norm(k, *_norm(attn.k_norm))
+            q, k = attn.q_proj(h), attn.k_proj(h)
+            if self.family.q_norm is not None:
+                view = self.family.q_norm == "head"
+                q = rms_norm(q.view(B, H, D) if view else q, *_norm(attn.q_norm))
+                k = rms_norm(k.view(B, Hkv, D) if view else k, *_norm(attn.k_norm))
+            q, k = q.view(B, H, D), k.view(B, Hkv, D)
             q = rope_into_cache(q, k, attn.v_proj(h).view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window)
             o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
             h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
-            mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+            if self.family.moe:
+                mlp_out = mlp(h.view(B, 1, -1)).view(B, -1)
+            else:
+                mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
         h, _ = add_rms_norm(mlp_out, residual, *_norm(self.inner.norm))
         logits = self.model.lm_head(h).float()
         self._record(self.sampling.pick(logits))
@@ -221,18 +242,27 @@ class _Decoder:
         """`steps` decode steps (eagerly the first time, then replays of the captured step on a
         GPU), stopping early once every sequence finished."""
         for i in range(steps):
-            if self.graph is not None:
-                self.graph.replay()
-            elif self.capture and i > 0:
+            if self.graph is None and self.capture and i > 0:
                 # The first step ran eagerly: Triton compiled and tuned, cuBLAS has its workspace.
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.step()
+                self._capture()
+            if self.graph is not None:
                 self.graph.replay()
             else:
                 self.step()
             if (i + 1) % HOST_CHECK_EVERY == 0 and bool(self.done.all()):
                 return
+
+    def _capture(self) -> None:
+        """Capture the step (recording, not running it), or leave it eager with a warning where a
+        piece of the model cannot be captured (a host synchronisation: HF's own experts loop)."""
+        device = self.tokens.device
+        runtime.wait_for_background_work()  # no compile thread may allocate during the capture
+        try:
+            self.graph = CudaGraph(self.step, (), {}, CudaGraph.new_pool(device), device)
+        except Exception as error:
+            self.capture = False
+            warnings.warn(f"tritonformer.generate: the decode step cannot be captured as a CUDA graph "
+                          f"({type(error).__name__}: {error}); it runs eagerly", stacklevel=3)
 
     def tokens_made(self, steps: int) -> int:
         """How many tokens HF's generate would have returned: up to the step at which the last
@@ -282,8 +312,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
              max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, cuda_graph: bool = True) -> torch.Tensor:
-    """Greedy or sampled decoding of a Llama, Mistral, Qwen2 or Qwen3 causal LM (HF's, patched or
-    not): the prompt (B, P) with its new tokens, (B, P + n), as HF's `generate` returns it with
+    """Greedy or sampled decoding of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral
+    or OLMoE causal LM (HF's, patched or not; the experts run as the model's own modules): the prompt (B, P) with its new tokens, (B, P + n), as HF's `generate` returns it with
     the same arguments. Left-padded batches take their attention_mask. A sequence that produced
     an eos token gets pad_token_id (default: the first eos) after it; decoding stops when all
     have, or after max_new_tokens. Sampling follows temperature, then top_k, then top_p (None:

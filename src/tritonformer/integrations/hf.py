@@ -48,9 +48,9 @@ What is swapped, per family (FAMILIES):
   HuggingFace does and the loss goes through `cross_entropy`. Both shift labels and normalise
   with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
   is, the unfused one (eval, LoRA on lm_head) in the logits' dtype;
-- generation: `model.generate(...)` runs `tritonformer.generate` (static KV cache,
-  decode attention, the decode step as one CUDA graph) for the dense families it decodes when
-  every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
+- generation: `model.generate(...)` runs `tritonformer.generate` (static KV cache, decode
+  attention, the decode step as one CUDA graph) for the families it decodes (all but Gemma and
+  GPT-OSS) when every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
   pad ids, max_new_tokens or max_length, an attention mask); any other argument, processor or
   output option goes to HF's own generate (logged at debug level).
 """
