@@ -31,7 +31,7 @@ test-hf-latest: install
 	rm -rf $(HF_LATEST)
 	$(BIN)/python -m pip install -q --no-deps --target $(HF_LATEST) "$(HF_RANGE)"
 	PYTHONPATH=$(HF_LATEST) $(BIN)/python -c "import transformers; print('HF tests on transformers', transformers.__version__)"
-	PYTHONPATH=$(HF_LATEST) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider tests/test_hf.py
+	PYTHONPATH=$(HF_LATEST) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider tests/test_hf.py tests/test_generate.py
 
 clean:
 	rm -rf $(VENV) $(HF_LATEST) build src/*.egg-info
