@@ -103,7 +103,7 @@ def test_cuda_graph_replays_give_the_eager_steps_tokens(device):
     model = _model("qwen3", device=device, dtype=torch.bfloat16)
     ids, mask = _ragged_prompt(device)
     graphed = decoding.generate(model, ids, mask, max_new_tokens=40)
-    assert model.__dict__[decoding.DECODER][1].graph is not None
+    assert decoding.DECODERS[model][1].graph is not None
     eager = decoding.generate(model, ids, mask, max_new_tokens=40, cuda_graph=False)
     assert torch.equal(graphed, eager)
     # A second call replays the kept graph on the new prompt.
@@ -184,7 +184,7 @@ def test_patched_generate_takes_our_path_only_for_what_it_implements(device, mon
     ids, mask = _ragged_prompt(device, lengths=(6, 9))
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10),
                        reference.generate(ids, attention_mask=mask, max_new_tokens=10))
-    assert len(calls) == 1 and calls[0]["eos_token_id"] == 3 and calls[0]["max_new_tokens"] == 10
+    assert len(calls) == 1 and calls[0]["eos_token_id"] == [3] and calls[0]["max_new_tokens"] == 10
     # No mask given, pads in the prompt: HF reads the mask off them, and so does the request.
     assert torch.equal(model.generate(ids, max_length=15), reference.generate(ids, max_length=15))
     assert len(calls) == 2 and torch.equal(calls[1]["attention_mask"], mask)
@@ -201,20 +201,20 @@ def test_patched_generate_takes_our_path_only_for_what_it_implements(device, mon
     model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_p=0.8)
     assert calls[-1]["top_k"] == 50 and calls[-1]["top_p"] == 0.8 and calls[-1]["do_sample"]
     hf.unpatch(model)
-    assert "generate" not in model.__dict__ and decoding.DECODER not in model.__dict__
+    assert "generate" not in model.__dict__ and model not in decoding.DECODERS
 
 
 def test_the_decoder_is_kept_per_batch_and_released(device):
     model = _model("llama", device=device)
     ids = torch.randint(0, VOCAB, (2, 5), device=device)
     decoding.generate(model, ids, max_new_tokens=3)
-    kept = model.__dict__[decoding.DECODER][1]
+    kept = decoding.DECODERS[model][1]
     decoding.generate(model, ids[:, :4], max_new_tokens=5)
-    assert model.__dict__[decoding.DECODER][1] is kept
+    assert decoding.DECODERS[model][1] is kept
     decoding.generate(model, ids[:1], max_new_tokens=3)
-    assert model.__dict__[decoding.DECODER][1] is not kept
+    assert decoding.DECODERS[model][1] is not kept
     decoding.release(model)
-    assert decoding.DECODER not in model.__dict__
+    assert model not in decoding.DECODERS
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -264,7 +264,7 @@ def test_quantized_weights_decode_as_hfs_generate_of_the_same_model(device, fmt)
     ids = torch.randint(1, VOCAB, (2, 5), device=device)
     new = 16 if on_gpu else 3
     ours = model.generate(ids, max_new_tokens=new)
-    assert decoding.DECODER in model.__dict__, "the patched generate did not decode"
+    assert model in decoding.DECODERS, "the patched generate did not decode"
     assert torch.equal(ours, type(model).generate(model, ids, max_new_tokens=new))
 
 
@@ -273,3 +273,51 @@ def test_the_weights_option_names_what_it_cannot_take(device):
         hf.patch(_model("llama", dtype=torch.bfloat16, device=device), weights="int4")
     with pytest.raises(ValueError, match="bfloat16 model"):
         hf.patch(_model("llama", device=device), weights="nvfp4")
+
+
+def test_patched_generate_keeps_hfs_lengths_masks_and_token_ids(device, monkeypatch):
+    """Review cases: no length given means HF's 20 new tokens; a mask that is not left padding
+    (right padding) goes to HF's generate (and tritonformer.generate names it); eos as a tensor
+    and temperature None are taken as HF takes them."""
+    model = _model("llama", device=device, eos_token_id=None, pad_token_id=0)
+    reference = copy.deepcopy(model)
+    hf.patch(model)
+    calls = []
+    real = decoding.generate
+    monkeypatch.setattr(decoding, "generate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    ids = torch.randint(1, VOCAB, (2, 5), device=device)
+    assert torch.equal(model.generate(ids), reference.generate(ids)) and len(calls) == 1
+    assert calls[0]["max_new_tokens"] == 20
+    right = torch.ones_like(ids)
+    right[1, 3:] = 0
+    assert torch.equal(model.generate(ids, attention_mask=right, max_new_tokens=4),
+                       reference.generate(ids, attention_mask=right, max_new_tokens=4)) and len(calls) == 1
+    with pytest.raises(ValueError, match="left padding"):
+        real(model, ids, right, max_new_tokens=4)
+    eos = torch.tensor(int(reference.generate(ids, max_new_tokens=3)[0, -1]), device=device)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, eos_token_id=eos),
+                       reference.generate(ids, max_new_tokens=6, eos_token_id=eos)) and len(calls) == 2
+    model.generate(ids, max_new_tokens=2, do_sample=True, temperature=None)
+    assert len(calls) == 3 and calls[-1]["temperature"] == 1.0
+
+
+def test_new_weights_get_a_new_decoder(device):
+    """The kept decoder (and its captured step) belongs to the weights it read: weights replaced
+    (another address) decode with the new ones."""
+    model = _model("qwen3", device=device)
+    ids = torch.randint(1, VOCAB, (1, 6), device=device)
+    decoding.generate(model, ids, max_new_tokens=3)
+    kept = decoding.DECODERS[model][1]
+    with torch.no_grad():
+        for p in model.model.layers[1].mlp.parameters():
+            p.data = p.data * 3
+    assert torch.equal(decoding.generate(model, ids, max_new_tokens=3),
+                       _hf_generate(model, ids, None, max_new_tokens=3, eos_token_id=None))
+    assert decoding.DECODERS[model][1] is not kept
+
+
+def test_olmoe_clips_q_k_and_v(device):
+    model = _model("olmoe", device=device, clip_qkv=0.02)
+    ids, mask = _ragged_prompt(device, lengths=(6, 4))
+    assert torch.equal(decoding.generate(model, ids, mask, max_new_tokens=6, pad_token_id=0),
+                       _hf_generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0))

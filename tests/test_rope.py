@@ -498,7 +498,8 @@ def test_rope_into_cache_is_apply_rope_and_the_cache_writes(device, dtype, D):
     B, H, H_kv, S_max = 3, 6, 2, 9
     q, k, v = (torch.randn(B, 1, n, D, device=device, dtype=dtype) for n in (H, H_kv, H_kv))
     cos, sin = torch.randn(2, B, 1, D, device=device, dtype=dtype)
-    positions = torch.tensor([4, 0, S_max], device=device)  # the last past the cache's end
+    # The last past the cache's end; a strided view (every other element) as the positions.
+    positions = torch.tensor([4, -1, 0, -1, S_max, -1], device=device)[::2]
     k_cache, v_cache = (torch.randn(B, H_kv, S_max, D, device=device, dtype=dtype) for _ in range(2))
     k_before, v_before = k_cache.clone(), v_cache.clone()
     q_out = rope_op.rope_into_cache(q[:, 0], k[:, 0], v[:, 0], cos, sin, positions, k_cache, v_cache)

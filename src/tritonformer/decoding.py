@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +150,10 @@ class _Decoder:
     def __init__(self, model: torch.nn.Module, batch: int, capacity: int, sampling: Sampling,
                  eos: tuple[int, ...], pad: int, cuda_graph: bool):
         config, inner = model.config, model.model
-        self.model, self.inner, self.sampling, self.batch, self.capacity = model, inner, sampling, batch, capacity
+        # A weak reference: the model keeps no decoder alive, and a decoder no model (DECODERS).
+        self.model = weakref.ref(model)
+        self.sampling, self.batch, self.capacity = sampling, batch, capacity
+        self.clip = getattr(config, "clip_qkv", None)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.family = FAMILIES[config.model_type]
@@ -209,22 +213,26 @@ class _Decoder:
     def step(self) -> None:
         """One token a sequence: the model at self.tokens, the next token recorded."""
         B, H, Hkv, D = self.batch, self.heads, self.kv_heads, self.head_dim
-        x = self.inner.embed_tokens(self.tokens)
-        cos, sin = self.inner.rotary_emb(x, self.positions[:, None])
+        model = self.model()
+        inner = model.model
+        x = inner.embed_tokens(self.tokens)
+        cos, sin = inner.rotary_emb(x, self.positions[:, None])
         mlp_out = residual = None
-        for layer, k_cache, v_cache, window in zip(self.inner.layers, self.k_caches, self.v_caches, self.windows):
+        for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
             if residual is None:
                 h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
             else:
                 h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
-            q, k = attn.q_proj(h), attn.k_proj(h)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            if self.clip is not None:  # OLMoE's clip_qkv
+                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
             if self.family.q_norm is not None:
                 view = self.family.q_norm == "head"
                 q = rms_norm(q.view(B, H, D) if view else q, *_norm(attn.q_norm))
                 k = rms_norm(k.view(B, Hkv, D) if view else k, *_norm(attn.k_norm))
             q, k = q.view(B, H, D), k.view(B, Hkv, D)
-            q = rope_into_cache(q, k, attn.v_proj(h).view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
+            q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window)
             o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
             h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
@@ -232,8 +240,8 @@ class _Decoder:
                 mlp_out = mlp(h.view(B, 1, -1)).view(B, -1)
             else:
                 mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
-        h, _ = add_rms_norm(mlp_out, residual, *_norm(self.inner.norm))
-        logits = self.model.lm_head(h).float()
+        h, _ = add_rms_norm(mlp_out, residual, *_norm(inner.norm))
+        logits = model.lm_head(h).float()
         self._record(self.sampling.pick(logits))
         self.positions.add_(1)
         self.lengths.add_(1)
@@ -272,28 +280,39 @@ class _Decoder:
         return steps
 
 
-# Where a model keeps the decoder of its latest call: its caches are the model's KV memory until
-# a call of another batch size, cache block or sampling replaces it, or release(model).
-DECODER = "_tritonformer_decoder"
+# The decoder of each model's latest call, while the model lives: its caches are the model's KV
+# memory until a call of another batch size, cache block, sampling or set of weights replaces it,
+# or release(model). Not in the model's own attributes: a copy or pickle of the model would take
+# a CUDA graph along.
+DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, _Decoder]]" = weakref.WeakKeyDictionary()
 
 
 def _decoder(model, batch: int, needed: int, sampling: Sampling, eos: tuple[int, ...], pad: int,
              cuda_graph: bool) -> _Decoder:
     capacity = -(-needed // CACHE_BLOCK) * CACHE_BLOCK
-    key = (batch, capacity, sampling, eos, pad, cuda_graph)
-    kept = model.__dict__.get(DECODER)
+    # The weights' addresses: a captured step reads them there (a cast, a move, load_state_dict
+    # with assign, a quantized projection all make new ones).
+    weights = tuple((t.data_ptr(), t.dtype) for t in (*model.parameters(), *model.buffers()))
+    key = (batch, capacity, sampling, eos, pad, cuda_graph, weights)
+    kept = DECODERS.get(model)
     if kept is not None and kept[0] == key:
         return kept[1]
     release(model)
     decoder = _Decoder(model, batch, capacity, sampling, eos, pad, cuda_graph)
-    model.__dict__[DECODER] = (key, decoder)
+    DECODERS[model] = (key, decoder)
     return decoder
 
 
 def release(model: torch.nn.Module) -> None:
-    """Free the KV cache and CUDA graph that `generate` keeps on the model for its next call
+    """Free the KV cache and CUDA graph that `generate` keeps for the model's next call
     (`tritonformer.release`)."""
-    model.__dict__.pop(DECODER, None)
+    DECODERS.pop(model, None)
+
+
+def left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a (B, P) mask is zeros then ones, with a one (a host look)."""
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] >= mask[:, :-1]).all() and mask[:, -1].all())
 
 
 def _eos_ids(eos_token_id) -> tuple[int, ...]:
@@ -319,7 +338,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     have, or after max_new_tokens. Sampling follows temperature, then top_k, then top_p (None:
     not applied; HF's generate defaults top_k to 50) and draws from torch's default generator.
     On a GPU the decode step is captured as a CUDA graph (cuda_graph=False runs it eagerly); the
-    model keeps its cache and graph for the next call of the same batch size (release(model)).
+    cache and graph are kept for the model's next call of the same batch size (release(model)).
+    Sampled tokens are HF's in distribution; the generator advances by up to HOST_CHECK_EVERY
+    steps more than HF's (the steps run before the host sees every sequence finished).
     """
     reason = unsupported(model)
     if reason is not None:
@@ -341,6 +362,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     if attention_mask is not None and (attention_mask.shape != input_ids.shape or attention_mask.device != device):
         raise ValueError(f"tritonformer.generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)} "
                          f"and device, got {tuple(attention_mask.shape)} on {attention_mask.device}")
+    if attention_mask is not None and not left_padded(attention_mask):
+        raise ValueError("tritonformer.generate: attention_mask must be left padding (each row zeros, then at least "
+                         "one token); HF's generate takes other masks")
     sampling = Sampling(bool(do_sample), float(temperature), top_k, top_p)
     sampling.check()
     eos = _eos_ids(eos_token_id)

@@ -120,7 +120,7 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
         warmup = timed(ids, mask, new_tokens)
         # The patched model's generate must have taken tritonformer.generate, not HF's.
         ours = stack in ("tritonformer", "tritonformer+nvfp4")
-        assert ours == (decoding.DECODER in model.__dict__), f"{stack}: the wrong generate ran"
+        assert ours == (model in decoding.DECODERS), f"{stack}: the wrong generate ran"
         full = statistics.median(timed(ids, mask, new_tokens) for _ in range(repeats))
         prefill = statistics.median(timed(ids, mask, 1) for _ in range(repeats))
         ms_per_token = (full - prefill) / (new_tokens - 1) * 1e3

@@ -865,6 +865,7 @@ def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
     if dtypes != {torch.bfloat16}:
         raise ValueError(f"tritonformer.integrations.hf.patch: weights={fmt!r} takes a bfloat16 model (its "
                          f"activations stay bf16), got parameters of {sorted(map(str, dtypes))}")
+    decoding.release(base)  # its captured step reads the bf16 weights
     for layer in layers:
         for owner in (layer.self_attn, layer.mlp):
             for name in QUANTIZED_PROJECTIONS:
@@ -947,13 +948,34 @@ HF_ONLY_GENERATION = (
     ("watermarking_config", None), ("output_scores", False), ("output_logits", False), ("output_attentions", False),
     ("output_hidden_states", False), ("return_dict_in_generate", False), ("cache_implementation", None),
     ("use_cache", True), ("stop_strings", None), ("max_time", None), ("prompt_lookup_num_tokens", None),
-    ("assistant_early_exit", None), ("token_healing", False), ("low_memory", None),
+    ("assistant_early_exit", None), ("token_healing", False), ("low_memory", None), ("use_mtp", False),
+    ("constraints", None), ("is_assistant", False),
 )
+
+
+def _token_ids(value) -> list[int] | None:
+    """An eos or pad argument as HF takes it (an int, a list, a tensor) as ints; None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v.item()) if isinstance(v, torch.Tensor) else int(v) for v in values]
+
+
+def _runs_synced(model) -> bool:
+    """Whether HF's generate would step this model's ranks in lockstep (synced_gpus): ZeRO-3 or
+    FSDP across processes."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return False
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    return is_deepspeed_zero3_enabled() or any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _decoding_request(model, args: tuple, kwargs: dict) -> dict | None:
     """generate's arguments for a call of HF's generate that it decodes the same (None: HF's)."""
-    if len(args) > 1 or decoding.unsupported(model) is not None:
+    if len(args) > 1 or decoding.unsupported(model) is not None or _runs_synced(model):
         return None
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("inputs", None) if not args else args[0]
@@ -962,6 +984,10 @@ def _decoding_request(model, args: tuple, kwargs: dict) -> dict | None:
     generation_config = kwargs.pop("generation_config", None)
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.dtype == torch.long):
         return None
+    # HF's rule: no max_length anywhere means 20 new tokens (capped by the model's positions).
+    default_length = (kwargs.get("max_length") is None
+                      and (generation_config is None or generation_config.max_length is None)
+                      and model.generation_config.max_length is None)
     try:
         config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     except (AttributeError, TypeError, ValueError):
@@ -971,24 +997,34 @@ def _decoding_request(model, args: tuple, kwargs: dict) -> dict | None:
     if model_kwargs or any(getattr(config, name, None) not in (value, None) for name, value in HF_ONLY_GENERATION):
         return None
     P = input_ids.shape[1]
+    positions = getattr(model.config, "max_position_embeddings", None)
     if config.min_length is not None and config.min_length > P:
         return None
-    max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - P
-    if max_new_tokens < 1:
+    if config.max_new_tokens is not None:
+        max_new_tokens = config.max_new_tokens
+    elif default_length:
+        max_new_tokens = config.max_length if positions is None else min(config.max_length + P, positions) - P
+    else:
+        max_new_tokens = config.max_length - P
+    # Past the model's positions HF only warns; tritonformer.generate refuses.
+    if max_new_tokens < 1 or positions is not None and P + max_new_tokens > positions:
         return None
-    eos = config.eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = config.pad_token_id
-    if pad is None and eos_ids:
-        pad = eos_ids[0]
+    eos_ids, pad = _token_ids(config.eos_token_id), _token_ids(config.pad_token_id)
+    pad = pad[0] if pad else eos_ids[0] if eos_ids else None
     # HF's generate reads a mask off the prompt's pad tokens when the pad is not an eos.
-    if attention_mask is None and pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+    if attention_mask is None and pad is not None and pad not in (eos_ids or []) and bool((input_ids == pad).any()):
         attention_mask = input_ids.ne(pad).long()
+    # The decoder's cache holds each prompt from its first token on: left padding only.
+    if attention_mask is not None and not decoding.left_padded(attention_mask):
+        return None
     request = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                   do_sample=bool(config.do_sample), eos_token_id=eos, pad_token_id=pad)
+                   do_sample=bool(config.do_sample), eos_token_id=eos_ids, pad_token_id=pad)
     if config.do_sample:
-        request.update(temperature=config.temperature, top_k=config.top_k or None,
-                       top_p=config.top_p if config.top_p is not None and config.top_p < 1.0 else None)
+        temperature, top_k, top_p = config.temperature, config.top_k, config.top_p
+        if temperature is not None and not temperature > 0 or top_p is not None and not 0 < top_p <= 1:
+            return None  # HF's own errors or edge cases
+        request.update(temperature=1.0 if temperature is None else temperature, top_k=top_k or None,
+                       top_p=top_p if top_p is not None and top_p < 1.0 else None)
     return request
 
 

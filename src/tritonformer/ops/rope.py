@@ -608,7 +608,7 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
 @triton.jit
 def _rope_into_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    H, S_max, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
+    H, S_max, stride_p, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
     stride_ob, stride_oh, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
     HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -631,7 +631,7 @@ def _rope_into_cache_kernel(
         tl.store(dst + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=ok)
     else:
         hk = h - H
-        pos = tl.load(pos_ptr + b).to(tl.int64)
+        pos = tl.load(pos_ptr + b * stride_p).to(tl.int64)
         ok = ok & (pos >= 0) & (pos < S_max)
         src = k_ptr + b * stride_kb + hk * stride_kh + cols
         dst = k_cache_ptr + b.to(tl.int64) * stride_kcb + hk * stride_kch + pos * stride_kcs + cols
@@ -659,7 +659,7 @@ def rope_into_cache_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     q_out = runtime.empty(q.shape, q.dtype, q.device)
     B, H, D = q.shape
     grid = (B, H + k.shape[1])
-    scalars = (H, k_cache.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    scalars = (H, k_cache.shape[2], positions.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
                *v_cache.stride()[:3])
     if B == 0:
