@@ -79,6 +79,17 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _names_unknown(command: str, *checks: tuple) -> bool:
+    """Print the first (asked, known, what) check that asks for an unknown name; whether one did."""
+    for asked, known, what in checks:
+        unknown = [name for name in asked if name not in known]
+        if unknown:
+            print(f"tritonformer bench {command}: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}",
+                  file=sys.stderr)
+            return True
+    return False
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import report, runner
 
@@ -93,12 +104,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         stacks = args.stacks or generate.STACKS
         models = args.model or ["e2e"]
-        for asked, known, what in ((models, generate.MODELS, "model"), (stacks, generate.STACKS, "stack")):
-            unknown = [name for name in asked if name not in known]
-            if unknown:
-                print(f"tritonformer bench generate: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}",
-                      file=sys.stderr)
-                return EXIT_USAGE
+        if _names_unknown("generate", (models, generate.MODELS, "model"), (stacks, generate.STACKS, "stack")):
+            return EXIT_USAGE
         out_dir = args.out or Path("bench-out") / "generate"
         ours_failed = False
         for model in models:
@@ -115,12 +122,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         stacks = args.stacks or e2e.STACKS
         args.model = args.model or ["e2e"]
-        for asked, known, what in ((args.model, e2e.MODELS, "model"), (stacks, e2e.STACKS, "stack")):
-            unknown = [name for name in asked if name not in known]
-            if unknown:
-                print(f"tritonformer bench e2e: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}",
-                      file=sys.stderr)
-                return EXIT_USAGE
+        if _names_unknown("e2e", (args.model, e2e.MODELS, "model"), (stacks, e2e.STACKS, "stack")):
+            return EXIT_USAGE
         out_dir = args.out or Path("bench-out") / "e2e"
         ours_failed = False
         for model in args.model:
