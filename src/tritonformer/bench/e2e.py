@@ -223,10 +223,15 @@ def write_report(rows: list[dict], sizes: dict, out_dir: Path) -> Path:
         lines.append(f"| {r['stack']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
                      f"{r['warmup_s']:.1f} | {r['final_loss']:.4f} | {vs} | {r['prefill_ms']:.1f} | "
                      f"{r['generate_tokens_per_s']:.1f} |")
-    lines += ["", f"![{stem}]({stem}.png)", ""]
+    return write_page(out_dir, stem, lines, rows, _plot)
+
+
+def write_page(out_dir: Path, stem: str, lines: list[str], rows: list[dict], plot) -> Path:
+    """<stem>.md from lines with its plot below, and <stem>.png drawn by plot from the rows that
+    did not fail (bench e2e's and bench generate's reports)."""
     path = out_dir / f"{stem}.md"
-    path.write_text("\n".join(lines))
-    _plot([r for r in rows if "error" not in r], out_dir / f"{stem}.png")
+    path.write_text("\n".join(lines + ["", f"![{stem}]({stem}.png)", ""]))
+    plot([r for r in rows if "error" not in r], out_dir / f"{stem}.png")
     return path
 
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .e2e import write_page
+
 STACKS = ("hf-eager", "hf-static", "tritonformer+hf-static", "tritonformer", "tritonformer+nvfp4")
 MODELS = {
     # The e2e model of ../shared/ANCHORS.md and the Llama-3-8B shape (issue 45).
@@ -203,11 +205,7 @@ def write_report(rows: list[dict], sizes: dict, ceilings: dict, out_dir: Path) -
             + (f"{roof:.2f} | {roof / r['ms_per_token'] * 100:.0f}% | " if roof else "- | - | ")
             + (f"{base['ms_per_token'] / r['ms_per_token']:.2f}x | " if base else "- | ")
             + f"{r['prefill_ms']:.1f} | {r['warmup_s']:.1f} | {r['peak_gib']:.2f} |")
-    lines += ["", f"![{stem}]({stem}.png)", ""]
-    path = out_dir / f"{stem}.md"
-    path.write_text("\n".join(lines))
-    _plot([r for r in rows if "error" not in r], out_dir / f"{stem}.png")
-    return path
+    return write_page(out_dir, stem, lines, rows, _plot)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
