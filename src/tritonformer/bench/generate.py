@@ -125,7 +125,8 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
         assert ours == (model in decoding.DECODERS), f"{stack}: the wrong generate ran"
         full = statistics.median(timed(ids, mask, new_tokens) for _ in range(repeats))
         prefill = statistics.median(timed(ids, mask, 1) for _ in range(repeats))
-        ms_per_token = (full - prefill) / (new_tokens - 1) * 1e3
+        # A difference under the timer's noise (a tiny model on a busy CPU) is no figure: NaN, never a negative rate.
+        ms_per_token = (full - prefill) / (new_tokens - 1) * 1e3 if full > prefill else float("nan")
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         rows.append(dict(stack=stack, batch=batch, prompt=prompt, context=float(mask.sum(1).float().mean()) + new_tokens / 2,
                          warmup_s=warmup, prefill_ms=prefill * 1e3, ms_per_token=ms_per_token,
