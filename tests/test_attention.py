@@ -253,6 +253,91 @@ def test_compiles_forward_and_backward_without_graph_break(device):
         assert_close(g, r, torch.float32, compare="norm")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_follow_gpt_oss_eager_attention(dtype, device):
+    """GPT-OSS's eager attention, written out (the sink a column of the logits, dropped after the
+    softmax): outputs and the gradients of q, k, v and the sinks; causal, with a window and rows
+    that see no key (S_q > S_k), whose output is 0 and lse the sink."""
+    q, k, v = _qkv(device, B=2, H=4, H_kv=2, S_q=23, S_k=15, dtype=dtype)
+    sinks = (torch.randn(4, device=device) * 2).to(dtype).requires_grad_(True)
+    o, lse = tf.attention(q, k, v, causal=True, window=6, return_lse=True, sinks=sinks)
+    assert (o[:, :, :8] == 0).all()
+    assert_close(lse[:, :, :8], sinks.double()[None, :, None].expand(2, 4, 8), torch.float32)
+
+    def gpt_oss(q, k, v, sinks):
+        s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~attention_ops.attention_mask(23, 15, True, 6, q.device), -math.inf)
+        logits = torch.cat([s, sinks[None, :, None, None].expand(2, 4, 23, 1)], dim=-1)
+        probs = torch.softmax(logits - logits.max(-1, keepdim=True).values, dim=-1)[..., :-1]
+        return probs @ v.repeat_interleave(2, 1)
+
+    leaves = _double_leaves(q, k, v, sinks)
+    ref = gpt_oss(*leaves)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sinks), do)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(o, ref, dtype, "norm")
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, dtype, "norm")
+
+
+def test_softcap_caps_the_logits_as_gemma2(device):
+    """Gemma 2's eager attention (scale, cap with tanh, mask, softmax): outputs and gradients,
+    with q scaled so that logits pass the cap; a cap far above every logit is plain attention."""
+    q, k, v = _qkv(device, H=4, H_kv=2, S_q=33, S_k=40)
+    o = tf.attention(q * 4, k, v, causal=True, softcap=5.0)
+    leaves = _double_leaves(q, k, v)
+    s = (leaves[0] * 4) @ leaves[1].repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(32)
+    assert s.abs().max() > 10  # the cap bites
+    s = (5.0 * torch.tanh(s / 5.0)).masked_fill(~attention_ops.attention_mask(33, 40, True, None, q.device),
+                                                -math.inf)
+    ref = torch.softmax(s, -1) @ leaves[2].repeat_interleave(2, 1)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(o, ref, torch.float32)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, torch.float32, "norm")
+    with torch.no_grad():
+        assert_close(tf.attention(q, k, v, causal=True, softcap=1e6), tf.attention(q, k, v, causal=True).double(),
+                     torch.float32)
+
+
+def test_replayed_launches_read_each_calls_sinks(device):
+    """Sinks change every training step: a replayed plan reads the new call's sinks (and their
+    gradient comes out for each), with softcap on."""
+    from tritonformer.ops import attention as attn
+    for _ in range(3):
+        q, k, v = _qkv(device, H=4, H_kv=2, S_q=20, S_k=20)
+        sinks = torch.randn(4, device=device).requires_grad_(True)
+        o, lse = tf.attention(q, k, v, causal=True, return_lse=True, softcap=3.0, sinks=sinks)
+        do, dlse = torch.randn_like(o), torch.randn_like(lse)
+        grads = torch.autograd.grad((o, lse), (q, k, v, sinks), (do, dlse))
+        leaves = _double_leaves(q, k, v, sinks)
+        ref_o, ref_lse = attention_reference(*leaves[:3], causal=True, return_lse=True, softcap=3.0, sinks=leaves[3])
+        ref_grads = torch.autograd.grad((ref_o, ref_lse), leaves, (do.double(), dlse.double()))
+        assert_close(o, ref_o, torch.float32)
+        assert_close(lse, ref_lse, torch.float32)
+        for got, want in zip(grads, ref_grads):
+            assert_close(got, want, torch.float32, "norm")
+    assert len(attn.attention_fwd.plans) == 1 and len(attn.attention_bwd.plans) == 1
+
+
+def test_sinks_and_softcap_compile_without_graph_break(device):
+    q, k, v = _qkv(device, H=4, H_kv=2, S_q=18, S_k=21)
+    sinks = torch.randn(4, device=device).requires_grad_(True)
+    fn = compile_fullgraph(lambda q, k, v, s: tf.attention(q * 2, k, v, causal=True, softcap=2.0, sinks=s))
+    o = fn(q, k, v, sinks)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sinks), do)
+    leaves = _double_leaves(q, k, v, sinks)
+    ref = attention_reference(leaves[0] * 2, leaves[1], leaves[2], causal=True, softcap=2.0, sinks=leaves[3])
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(o, ref, torch.float32, compare="norm")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32, compare="norm")
+
+
 def _changed(args: dict, changes: dict) -> dict:
     """args with each named entry replaced: by fn(old) for a callable, else by the value."""
     for name, fn in changes.items():
@@ -288,6 +373,14 @@ def _bad(**changes):
         (_bad(scale=-0.5), ValueError, "scale must be a positive finite float"),
         (_bad(window=-1), ValueError, "window must be None or a non-negative int"),
         (_bad(window=(3,)), ValueError, "window must be None or a non-negative int"),
+        (_bad(softcap=0.0), ValueError, "softcap must be None or a positive finite float"),
+        (_bad(softcap=-30.0), ValueError, "softcap must be None or a positive finite float"),
+        (_bad(softcap=float("inf")), ValueError, "softcap must be None or a positive finite float"),
+        (_bad(softcap=True), ValueError, "softcap must be None or a positive finite float"),
+        (_bad(sinks=torch.zeros(2)), ValueError, r"sinks must have shape \(heads,\) = \(4,\)"),
+        (_bad(sinks=torch.zeros(1, 4)), ValueError, r"sinks must have shape \(heads,\) = \(4,\)"),
+        (_bad(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "sinks has dtype torch.int64"),
+        (_bad(sinks=foreign_device_tensor()), ValueError, "sinks is on meta"),
     ],
 )
 def test_bad_input_is_named(make, error, match, device):
@@ -510,6 +603,30 @@ def test_hf_interface_padding_mask_goes_through_sdpa(device):
     mask[1, :, :2] = True  # padded queries attend something, as HF's masks arrange
     out, _ = tf.nn.attention_forward(_HFAttentionModule(), q, k, v, mask)
     expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert_close(out, expected.transpose(1, 2), torch.float32)
+
+
+@pytest.mark.parametrize("S_q,masked", [(12, False), (12, True), (2, False)])
+def test_hf_interface_takes_softcap_and_sinks(S_q, masked, device):
+    """Gemma 2's softcap= and GPT-OSS's s_aux= reach the kernels: a plain batch (attention), one
+    under a padding mask (the torch path, as SDPA takes neither) and decode-shaped queries
+    (decode_attention), each against attention_reference."""
+    q, k, v = _qkv(device, B=2, H=4, H_kv=2, S_q=S_q, S_k=12, grad=False)
+    q = q * 3
+    sinks = torch.randn(4, device=device)
+    mask, keep = None, torch.ones(2, 12, dtype=torch.bool, device=device)
+    if masked:
+        keep[1, :3] = False
+        mask = torch.ones(12, 12, dtype=torch.bool, device=device).tril()[None, None] & keep[:, None, None, :]
+    out, _ = tf.nn.attention_forward(_HFAttentionModule(), q, k, v, mask, softcap=2.0, s_aux=sinks)
+    if masked:  # the padded sequence as attention() sees it without its padding; padded queries see nothing
+        for b, first in ((0, 0), (1, 3)):
+            expected = attention_reference(q[b:b + 1, :, first:].double(), k[b:b + 1, :, first:].double(),
+                                           v[b:b + 1, :, first:].double(), causal=True, softcap=2.0, sinks=sinks)
+            assert_close(out[b:b + 1, first:], expected.transpose(1, 2), torch.float32)
+        assert torch.equal(out[1, :3], torch.zeros_like(out[1, :3]))
+        return
+    expected = attention_reference(q.double(), k.double(), v.double(), causal=True, softcap=2.0, sinks=sinks)
     assert_close(out, expected.transpose(1, 2), torch.float32)
 
 

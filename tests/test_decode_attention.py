@@ -50,6 +50,25 @@ def test_equals_attention_on_a_full_cache(device):
     assert_close(out, attention(q, k, v, causal=True).double(), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_softcap_and_sinks_equal_attentions(device, dtype, splits):
+    """Gemma 2's softcap and GPT-OSS's sinks: against the float64 reference on a ragged batch
+    (a sequence shorter than its queries: its first rows see only the sink and give 0), and on
+    a full cache equal to attention() with the same arguments; sinks added once over splits."""
+    q, k, v, lens = _inputs(device, dtype, B=3, H=6, H_kv=2, S_q=3, S_max=120, lens=[120, 50, 2])
+    q = q * 3  # logits past the cap
+    sinks = (torch.randn(6, device=device) * 2).to(dtype)
+    compare = "elementwise" if dtype == torch.float32 else "norm"
+    for softcap, sink in ((2.0, None), (None, sinks), (3.0, sinks)):
+        out = decode_attention(q, k, v, lens, window=40, num_splits=splits, softcap=softcap, sinks=sink)
+        assert_close(out, decode_attention_reference(q, k, v, lens, window=40, softcap=softcap, sinks=sink), dtype,
+                     compare)
+        full = decode_attention(q, k, v, num_splits=splits, softcap=softcap, sinks=sink)
+        assert_close(full, attention(q, k, v, causal=True, softcap=softcap, sinks=sink).double(), dtype, compare)
+    assert torch.equal(out[2, :, 0], torch.zeros_like(out[2, :, 0]))
+
+
 def test_short_sequences_and_empty_rows(device):
     """A sequence shorter than its queries: rows before its first key see nothing and give 0."""
     q, k, v, lens = _inputs(device, torch.float32, B=3, S_q=4, S_max=20, lens=[2, 0, 25])
@@ -145,6 +164,10 @@ def test_bad_options_are_named(device):
         decode_attention(q, k, v, lens, num_splits=MAX_SPLITS + 1)
     with pytest.raises(ValueError, match="scale"):
         decode_attention(q, k, v, lens, scale=float("nan"))
+    with pytest.raises(ValueError, match="softcap"):
+        decode_attention(q, k, v, lens, softcap=0.0)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(heads,\) = \(4,\)"):
+        decode_attention(q, k, v, lens, sinks=torch.zeros(2, device=device))
 
 
 @gpu_only
@@ -154,6 +177,9 @@ def test_long_cache_in_bf16_on_the_gpu(D):
                             lens=[8192, 5000, 1, 777])
     out = decode_attention(q, k, v, lens)
     assert_close(out, decode_attention_reference(q, k, v, lens), torch.bfloat16, "norm")
+    sinks = torch.randn(32, device="cuda")
+    out = decode_attention(q, k, v, lens, softcap=2.0, sinks=sinks)
+    assert_close(out, decode_attention_reference(q, k, v, lens, softcap=2.0, sinks=sinks), torch.bfloat16, "norm")
 
 
 @gpu_only

@@ -3,6 +3,8 @@ arguments and isinstance checks keep working."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .ops.attention import attention
@@ -267,31 +269,54 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     `sliding_window=w` lets a query see itself and the w - 1 keys before it (HF's convention).
     A packed batch (batch 1 with cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, as
     HF's flattening collator gives) runs the variable-length kernels. An attention_mask (padding)
-    is honoured through torch's SDPA with that mask: correct, but not our kernel; pack the batch
-    instead for speed. Dropout is not supported."""
+    is honoured through torch's SDPA with that mask (with softcap or sinks, through the plain
+    torch product they need): correct, but not our kernel; pack the batch instead for speed.
+    `softcap` (Gemma 2) and `s_aux` (GPT-OSS's sinks) go to the kernels as attention() takes
+    them. Dropout is not supported."""
     if dropout:
         raise ValueError(f"attention_forward: dropout={dropout} is not supported (only 0.0)")
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
     window = None if sliding_window is None else sliding_window - 1
+    extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None:
         if query.shape[0] != 1:
             raise ValueError(f"attention_forward: a packed batch (cu_seq_lens_q) must have batch 1, got {query.shape[0]}")
         max_q, max_k = (int(kwargs[name]) for name in ("max_length_q", "max_length_k"))
         out = attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), causal,
-                        scaling, window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+                        scaling, window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                        **extras)
         return out[None], None
     if attention_mask is not None:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask[:, :, :, :key.shape[-2]], scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1])
+        mask = attention_mask[:, :, :, :key.shape[-2]]
+        if extras["softcap"] is None and extras["sinks"] is None:
+            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                                   enable_gqa=key.shape[1] != query.shape[1])
+        else:
+            out = _masked_attention(query, key, value, mask, scaling, **extras)
     elif (causal and 1 <= query.shape[2] <= decode.MAX_QUERIES and query.shape[2] < key.shape[-2]
           and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
         # A decode step against a KV cache: the G query heads of a KV head read its keys once,
         # over splits of the cache (ops/decode_attention.py).
-        out = decode.decode_attention(query, key, value, None, scaling, window)
+        out = decode.decode_attention(query, key, value, None, scaling, window, **extras)
     else:
-        out = attention(query, key, value, causal, scaling, window)
+        out = attention(query, key, value, causal, scaling, window, **extras)
     return out.transpose(1, 2), None
+
+
+def _masked_attention(query, key, value, mask, scaling, softcap, sinks):
+    """Attention under an explicit mask (bool, or additive float) with a softcap or sinks, which
+    SDPA does not take: the product in torch, softmax in float32 (as HF's eager paths)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = (query @ key.transpose(-1, -2)).float() * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    # A row with every key masked (padding) gives 0, not the nan of a softmax over -inf alone.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :key.shape[-2]]
+    return probs.to(value.dtype) @ value

@@ -1,5 +1,5 @@
 """Cases of `attention`: fp32, bf16 and fp16 with causal masks, windows, GQA/MQA, S_q != S_k,
-transposed inputs and packed variable-length batches for the tests; bf16 Llama-shaped heads
+transposed inputs, packed variable-length batches, softcapped logits and sinks for the tests; bf16 Llama-shaped heads
 (causal and full, forward and forward+backward) and a packed batch of 8 causal sequences for the
 benchmark, against SDPA's flash and cuDNN backends (the packed batch against SDPA on it padded).
 Cases of `decode_attention`: ragged batches, query tokens, windows, every dtype; for the
@@ -18,8 +18,13 @@ from . import peers
 
 
 def test_cases() -> list[TestCase]:
+    def extras(H, softcap, sinks, device, dtype):
+        """attention's softcap and sinks arguments (sinks drawn per head, with a gradient)."""
+        return dict(softcap=softcap, sinks=torch.randn(H, device=device).to(dtype).requires_grad_(True) if sinks
+                    else None)
+
     def case(id, dtype, B=1, H=2, H_kv=None, S_q=17, S_k=None, D=32, causal=False, window=None,
-             return_lse=False, transposed=False, gpu_only=False, **kw):
+             return_lse=False, transposed=False, softcap=None, sinks=False, gpu_only=False, **kw):
         H_kv = H if H_kv is None else H_kv
         S_k = S_q if S_k is None else S_k
 
@@ -31,12 +36,12 @@ def test_cases() -> list[TestCase]:
 
             q, k, v = draw(H, S_q), draw(H_kv, S_k), draw(H_kv, S_k)
             return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
-                causal=causal, window=window, return_lse=return_lse)
+                causal=causal, window=window, return_lse=return_lse, **extras(H, softcap, sinks, device, dtype))
 
         return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
 
     def varlen(id, dtype, lens_q, lens_k, H=2, H_kv=None, D=32, causal=False, window=None, return_lse=False,
-               gpu_only=False, **kw):
+               softcap=None, sinks=False, gpu_only=False, **kw):
         """A packed batch: q (sum(lens_q), H, D), k and v (sum(lens_k), H_kv, D)."""
         H_kv = H if H_kv is None else H_kv
 
@@ -48,7 +53,8 @@ def test_cases() -> list[TestCase]:
             k, v = (torch.randn(sum(lens_k), H_kv, D, device=device).to(dtype) for _ in range(2))
             return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)), dict(
                 causal=causal, window=window, return_lse=return_lse, cu_seqlens_q=cu(lens_q),
-                cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+                cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                **extras(H, softcap, sinks, device, dtype))
 
         return TestCase(id, make, dtype, gpu_only=gpu_only, **kw)
 
@@ -66,6 +72,13 @@ def test_cases() -> list[TestCase]:
         case("bf16-mqa-sq1-sk40", bf16, H=4, H_kv=1, S_q=1, S_k=40),
         case("fp16-s40-sk17", fp16, S_q=40, S_k=17),
         case("fp16-mqa-causal-d64", fp16, B=2, H=4, H_kv=1, S_q=17, S_k=33, causal=True, D=64),
+        # Gemma 2's softcapped logits (caps near the logits' spread, so that the cap bites) and GPT-OSS's sinks.
+        case("fp32-softcap-causal-lse", fp32, S_q=40, causal=True, return_lse=True, softcap=2.0),
+        case("bf16-softcap-gqa-window", bf16, H=4, H_kv=2, S_q=40, causal=True, window=12, softcap=1.5),
+        case("fp32-sinks-gqa-causal-lse", fp32, B=2, H=4, H_kv=2, S_q=21, S_k=6, causal=True, return_lse=True,
+             sinks=True),
+        case("bf16-sinks-window", bf16, H=4, H_kv=1, S_q=40, causal=True, window=9, sinks=True),
+        case("fp16-softcap-sinks-sq17-sk33", fp16, S_q=17, S_k=33, causal=True, D=64, softcap=3.0, sinks=True),
         case("bf16-s1000-causal-d128", bf16, S_q=1000, causal=True, D=128, gpu_only=True),
         case("bf16-s4097-d128", bf16, S_q=4097, D=128, gpu_only=True),
         case("bf16-s4097-causal-d128-gqa", bf16, H=4, H_kv=2, S_q=4097, causal=True, D=128, gpu_only=True),
@@ -77,6 +90,12 @@ def test_cases() -> list[TestCase]:
         varlen("varlen-bf16-gqa-causal-window", bf16, [33, 1, 0, 12], [40, 1, 5, 12], H=4, H_kv=2, causal=True,
                window=7),
         varlen("varlen-fp16-mqa-window-d64", fp16, [7, 19], [19, 7], H=4, H_kv=1, D=64, window=3),
+        varlen("varlen-fp32-softcap-sinks-lse", fp32, [5, 0, 23], [9, 4, 30], causal=True, return_lse=True,
+               softcap=2.5, sinks=True),
+        case("bf16-s2000-softcap-sinks-d128", bf16, H=4, H_kv=2, S_q=2000, causal=True, D=128, softcap=2.0,
+             sinks=True, gpu_only=True),
+        case("bf16-s1000-softcap-d256-window", bf16, S_q=1000, D=256, causal=True, window=256, softcap=50.0,
+             gpu_only=True),
         varlen("varlen-bf16-causal-d128-gqa", bf16, [1, 700, 64, 1500, 0, 1, 1000, 830],
                [1, 700, 90, 1500, 3, 1, 1000, 900], H=8, H_kv=2, D=128, causal=True, gpu_only=True),
     ]

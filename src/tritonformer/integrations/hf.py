@@ -95,12 +95,12 @@ class Family:
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
                  swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
                  add_norm: bool = True, moe: bool = False, float32_routing: bool = False, norm: bool = True,
-                 rope: bool = True, attention: bool = True, router_scoring: str = "softmax"):
+                 rope: bool = True, router_scoring: str = "softmax"):
         self.name, self.prefix = name, prefix
-        # norm, rope, attention: whether the family's RMSNorm, its apply_rotary_pos_emb and its
-        # attention function are the ones ours compute (GPT-OSS's are not: the weight multiplied
-        # before the cast, rotation by halves of half-width tables, attention sinks).
-        self.norm, self.rope, self.attention = norm, rope, attention
+        # norm, rope: whether the family's RMSNorm and its apply_rotary_pos_emb are the ones ours
+        # compute (GPT-OSS's are not: the weight multiplied before the cast, rotation by halves of
+        # half-width tables).
+        self.norm, self.rope = norm, rope
         # router_scoring: moe_route's scoring of the family's router.
         self.router_scoring = router_scoring
         # moe: the MLP of (some) layers is a mixture of experts whose experts module takes HF's
@@ -140,11 +140,11 @@ FAMILIES = {
                       float32_routing=True),
     # OLMoE normalises the whole q and k projections between them and rope.
     "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True),
-    # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts) and
-    # loss are ours; its norms, rope, attention (sinks) and decoder layer (the MLP returns the
-    # router's scores too) stay HF's (docs/moe.md, "GPT-OSS").
+    # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts),
+    # attention (with sinks) and loss are ours; its norms, rope and decoder layer (the MLP returns
+    # the router's scores too) stay HF's (docs/moe.md, "GPT-OSS").
     "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True, norm=False,
-                      rope=False, attention=False, router_scoring="topk_softmax"),
+                      rope=False, router_scoring="topk_softmax"),
 }
 
 
@@ -525,8 +525,10 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
                "module": getattr(attention, "sliding_window", None)}.get(family.sliding_window)
     if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
         window = None if sliding is None else sliding - 1
+        sinks = getattr(attention, "sinks", None)
         runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
-                     attention.scaling, window)
+                     attention.scaling, window, softcap=getattr(attention, "attn_logit_softcapping", None),
+                     sinks=None if sinks is None else like(sinks))
 
     # _mlp_forward's calls: the layer's MLP, or an MoE block's shared expert.
     dense = [m for m in layer.mlp.modules() if family.swiglu_mlp and type(m) is family.cls("MLP")]
@@ -879,7 +881,8 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
     Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
     twice is harmless. attention=False keeps the model's attention implementation, and so does a
     head dim the attention kernels do not take (with a warning). MoE models' experts run
-    moe_experts (GPT-OSS's gpt_oss_experts; its norms, rope and attention stay HF's).
+    moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, is ours, its norms and
+    rope stay HF's).
 
     weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
     projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,
@@ -896,8 +899,6 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
         return model
     config = base.config
     head_dim = _head_dim(config)
-    # A family whose attention ours does not compute (GPT-OSS's sinks) keeps its own, silently.
-    attention = attention and family.attention
     if attention and head_dim not in attention_op.HEAD_DIMS:
         warnings.warn(f"tritonformer: head_dim {head_dim} is not one of the attention kernels' "
                       f"({', '.join(map(str, attention_op.HEAD_DIMS))}): the model keeps its attention "

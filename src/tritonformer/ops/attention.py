@@ -30,6 +30,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 LOG2E = 1.4426950408889634
 NO_WINDOW = -1
+NO_SOFTCAP = 0.0
 # The dK/dV kernel cuts a kv head's query heads into parts when its grid has fewer than about this
 # many programs per SM, counted with 64-key blocks (_dkdv_parts); SUM_PARTS_BLOCK elements a
 # program when the parts are added up.
@@ -284,12 +285,32 @@ def _stream_tile(src, b, h, start, offs_r, offs_d, stride_r, stride_d, n_rows, R
 
 
 @triton.jit
+def tanh(x, APPROX: tl.constexpr):
+    """tanh(x). APPROX: one MUFU.TANH (tanh.approx.f32, relative error 2^-11, under a 16-bit
+    logit's rounding; flash-attn's softcap takes the same). Else to a few float32 ulps (the
+    float32 path and the interpreter, which runs no PTX): (1 - e) / (1 + e), e = exp(-2|x|), and
+    below |x| = 1/8, where 1 - e cancels (a large cap's small arguments), tanh's series to x^7."""
+    if APPROX:
+        y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        ax = tl.abs(x)
+        e = tl.exp2(ax * -2.8853900817779268)  # exp(-2 |x|)
+        big = (1.0 - e) / (1.0 + e)
+        x2 = x * x
+        small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+        y = tl.where(ax < 0.125, small, tl.where(x < 0, -big, big))
+    return y
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b, hk, stride_ks, stride_kd, stride_vs, stride_vd,
-                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, lo, hi,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                DESCRIPTORS: tl.constexpr):
-    """Online-softmax update of (acc, l, m) over the key blocks [lo, hi) (base-2 logits)."""
+                offs_m, offs_d, S_q, S_k, shift, window_left, qk_scale, cap_in, cap2, lo, hi,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                TANH_APPROX: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """Online-softmax update of (acc, l, m) over the key blocks [lo, hi) (base-2 logits; with
+    SOFTCAP, cap2 tanh(cap_in qk): softcap tanh(scale qk / softcap) in base 2)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _stream_tile(k_src, b, hk, start_n, offs_n, offs_d, stride_ks, stride_kd, S_k, MASK, UPCAST, HEAD_D,
@@ -297,9 +318,14 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b, hk, stride_ks, stride_kd, str
         v = _stream_tile(v_src, b, hk, start_n, offs_n, offs_d, stride_vs, stride_vd, S_k, MASK, UPCAST, HEAD_D,
                          BLOCK_D, BLOCK_N, DESCRIPTORS)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if MASK:
-            ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
-            s = tl.where(ok, qk * qk_scale, -float("inf"))
+        if MASK or SOFTCAP:
+            if SOFTCAP:
+                s = cap2 * tanh(qk * cap_in, TANH_APPROX)
+            else:
+                s = qk * qk_scale
+            if MASK:
+                ok = _allowed(offs_m[:, None], offs_n[None, :], S_q, S_k, shift, window_left, CAUSAL, WINDOW)
+                s = tl.where(ok, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
             m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -318,10 +344,10 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b, hk, stride_ks, stride_kd, str
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, stride_qs, stride_qd, stride_dos,
-                 stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
-                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 DESCRIPTORS: tl.constexpr):
+                 stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2, lo, hi,
+                 MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                 TANH_APPROX: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dK, dV of one key block accumulated over the query blocks [lo, hi) of one query head, on
     transposed scores (keys along rows)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -337,25 +363,30 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, stride_q
             lse2 = tl.load(lse_row + offs_m) * 1.4426950408889634
             delta = tl.load(delta_row + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        if SOFTCAP:
+            t = tanh(qk_t * cap_in, TANH_APPROX)
+            p_t = tl.exp2(cap2 * t - lse2[None, :])
+        else:
+            p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
         if MASK:
             ok = _allowed(offs_m[None, :], offs_n[:, None], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
             # Rows with no allowed key (lse = -inf) are masked everywhere: where() drops their inf.
-            p_t = tl.where(ok, tl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
-        else:
-            p_t = tl.exp2(qk_t * qk_scale - lse2[None, :])
+            p_t = tl.where(ok, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t * t)  # d(softcap tanh(x / softcap)) / dx
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b, hk, stride_ks, stride_kd, stride_vs, stride_vd,
-               offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, hi,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESCRIPTORS: tl.constexpr):
+               offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2, lo, hi,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               TANH_APPROX: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dQ of one query block accumulated over the key blocks [lo, hi), as the forward streams them."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -364,13 +395,18 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b, hk, stride_ks, stride_kd
         v = _stream_tile(v_src, b, hk, start_n, offs_n, offs_d, stride_vs, stride_vd, len_k, MASK, UPCAST, HEAD_D,
                          BLOCK_D, BLOCK_N, DESCRIPTORS)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if MASK:
-            ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
-            p = tl.where(ok, tl.exp2(qk * qk_scale - lse2[:, None]), 0.0)
+        if SOFTCAP:
+            t = tanh(qk * cap_in, TANH_APPROX)
+            p = tl.exp2(cap2 * t - lse2[:, None])
         else:
             p = tl.exp2(qk * qk_scale - lse2[:, None])
+        if MASK:
+            ok = _allowed(offs_m[:, None], offs_n[None, :], len_q, len_k, shift, window_left, CAUSAL, WINDOW)
+            p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     return dq
 
@@ -436,19 +472,21 @@ def _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr, CAUSAL: tl.constexpr, VA
 @runtime.autotune(configs=_fwd_configs(), prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    H, H_kv, S_q, S_k, sm_scale, window_left,
+    H, H_kv, S_q, S_k, sm_scale, softcap, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr, HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """S_q, S_k are the lengths of every sequence, or with VARLEN the longest ones (the grid's
     extent); a sequence's rows start at row q_start / k_start of the packed tensors. With
-    DESCRIPTORS (dense batches only), K and V blocks come through tensor descriptors (TMA)."""
+    DESCRIPTORS (dense batches only), K and V blocks come through tensor descriptors (TMA). With
+    HAS_SINKS, head h's logit sinks_ptr[h] joins every row's softmax denominator (lse includes it)."""
     b, h, hk, q_start, len_q, k_start, len_k, start_m = _query_block(H, H_kv, S_q, S_k, cu_q_ptr, cu_k_ptr,
                                                                      CAUSAL, VARLEN, BLOCK_M, GROUP_PROGRAMS)
     if VARLEN:
@@ -463,6 +501,7 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_tile(q_base, offs_m, offs_d, stride_qs, stride_qd, len_q, True, UPCAST, HEAD_D, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
+    cap_in, cap2 = sm_scale / softcap, softcap * 1.4426950408889634
     shift = len_k - len_q
 
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -473,18 +512,26 @@ def _attention_fwd_kernel(
     # Blocks cut by the window's left edge, blocks inside the band (no mask), blocks cut by the
     # diagonal or the end of the keys.
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
-                                stride_vd,
-                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                                stride_vd, offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2,
+                                lo, mid_lo, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION,
+                                BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
-                                stride_vd,
-                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
-                                False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                                stride_vd, offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2,
+                                mid_lo, mid_hi, False, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION,
+                                BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs,
-                                stride_vd,
-                                offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
-                                True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                                stride_vd, offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2,
+                                mid_hi, hi, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION,
+                                BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
 
+    if HAS_SINKS:
+        # The sink: one more logit in the denominator, with no value (docs/attention.md, "Sinks").
+        sink2 = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
     o = acc / l_div[:, None]
@@ -505,9 +552,10 @@ def _attention_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkp, stride_lb, stride_lh,
-    H, H_kv, S_q, S_k, sm_scale, window_left, PARTS,
+    H, H_kv, S_q, S_k, sm_scale, softcap, window_left, PARTS,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
+    SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
@@ -538,6 +586,7 @@ def _attention_bwd_dkdv_kernel(
     k = _load_tile(k_base, offs_n, offs_d, stride_ks, stride_kd, len_k, True, UPCAST, HEAD_D, BLOCK_D)
     v = _load_tile(v_base, offs_n, offs_d, stride_vs, stride_vd, len_k, True, UPCAST, HEAD_D, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
+    cap_in, cap2 = sm_scale / softcap, softcap * 1.4426950408889634
     shift = len_k - len_q
     # Queries that can see this key block: i >= j - shift (causal), i <= j - shift + left (window).
     lo = 0
@@ -562,16 +611,16 @@ def _attention_bwd_dkdv_kernel(
         # cut by the window or the end of the queries.
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              lo, mid_lo, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
-                              DESCRIPTORS)
+                              cap_in, cap2, lo, mid_lo, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
+                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              mid_lo, mid_hi, False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
-                              DESCRIPTORS)
+                              cap_in, cap2, mid_lo, mid_hi, False, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
+                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              mid_hi, hi, True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
-                              DESCRIPTORS)
+                              cap_in, cap2, mid_hi, hi, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
+                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
 
     out_offs = (part.to(tl.int64) * stride_dkp + b * stride_dkb + hk * stride_dkh
                 + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :])
@@ -608,8 +657,9 @@ def _attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dos, stride_dod,
     stride_ob, stride_oh, stride_os,
     stride_dqb, stride_dqh, stride_dqs, stride_lb, stride_lh,
-    H, H_kv, S_q, S_k, sm_scale, window_left,
+    H, H_kv, S_q, S_k, sm_scale, softcap, window_left,
     HEAD_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, HAS_DLSE: tl.constexpr,
     GROUP_PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -641,29 +691,35 @@ def _attention_bwd_dq_kernel(
     tl.store(delta_ptr + row_offs, delta, mask=offs_m < len_q)
     lse2 = tl.load(lse_ptr + row_offs, mask=offs_m < len_q, other=0.0) * 1.4426950408889634
     qk_scale = sm_scale * 1.4426950408889634
+    cap_in, cap2 = sm_scale / softcap, softcap * 1.4426950408889634
     shift = len_k - len_q
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, hi = _key_range(start_m, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     mid_lo, mid_hi = _unmasked_range(start_m, lo, hi, len_k, shift, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
-                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, lo, mid_lo,
-                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2, lo, mid_lo,
+                    True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D,
+                    DESCRIPTORS)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
-                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_lo, mid_hi,
-                    False, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2, mid_lo, mid_hi,
+                    False, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D,
+                    DESCRIPTORS)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, b32, hk32, stride_ks, stride_kd, stride_vs, stride_vd,
-                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, mid_hi, hi,
-                    True, CAUSAL, WINDOW, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
+                    offs_m, offs_d, len_q, len_k, shift, window_left, qk_scale, cap_in, cap2, mid_hi, hi,
+                    True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_N, HEAD_D, BLOCK_D,
+                    DESCRIPTORS)
 
     dq_offs = b * stride_dqb + h * stride_dqh + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :]
     q_mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_D)
     tl.store(dq_ptr + dq_offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dict:
+def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool, softcap: float) -> dict:
     D = q.shape[-1]
-    return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen,
+    return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen, SOFTCAP=softcap != NO_SOFTCAP,
+                # float32 is the precision path: its tanh to float32's precision, not MUFU's 2^-11.
+                TANH_APPROX=runtime.COMPILED and q.dtype != torch.float32,
                 UPCAST=runtime.INTERPRET and q.dtype == torch.bfloat16,
                 # Causal: two programs per SM in a head group (see _grouped_block); otherwise
                 # every block costs the same and one head at a time keeps the most in L2.
@@ -671,11 +727,16 @@ def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool) -> dic
                 INPUT_PRECISION=runtime.input_precision(q.dtype), BLOCK_D=max(16, runtime.next_power_of_2(D)))
 
 
-def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool) -> tuple:
+def kernel_softcap(softcap: float) -> float:
+    """The kernels' softcap argument: without a cap (SOFTCAP off) 1.0, which they divide by unused."""
+    return 1.0 if softcap == NO_SOFTCAP else softcap
+
+
+def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool, softcap: float) -> tuple:
     # Lengths change from call to call (varlen batches, generation): tune once per power-of-two
     # bucket, not once per length.
     S_q, S_k = runtime.next_power_of_2(S_q), runtime.next_power_of_2(S_k)
-    return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen)
+    return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen, softcap != NO_SOFTCAP)
 
 
 def _descriptors_fit(lay: "_Layout", kernel: str, *tensors: torch.Tensor) -> bool:
@@ -821,7 +882,7 @@ _launch_sum_parts = runtime.FastLaunch(_sum_parts_kernel)
 
 
 def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
-                        max_seqlen_q=0, max_seqlen_k=0):
+                        max_seqlen_q=0, max_seqlen_k=0, softcap=NO_SOFTCAP, sinks=None):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
     return _empty_as(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -830,9 +891,11 @@ def _fake_attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q=None, cu_se
 @runtime.planned(key=runtime.tf32_switch)
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = NO_SOFTCAP,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, lse): O laid out like q (_empty_as), lse float32 natural log, (B, H, S_q) or for a
-    packed batch (H, total_q). `window` is the left window size, or NO_WINDOW.
+    packed batch (H, total_q). `window` is the left window size, or NO_WINDOW; `softcap` the
+    logits' cap, or NO_SOFTCAP; `sinks` (H,) a logit per head that joins the denominators.
 
     The first calls of a layout tune and plan the launch; later ones replay it (runtime.planned):
     on the H100 machine's host, whose Python runs a forward+backward's wrappers in about as long
@@ -844,12 +907,13 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         lse.fill_(-math.inf)
         return o, lse
     scalars = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(o)[:3], *lay.lse_strides(lse),
-               lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
-    args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars)
+               lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, kernel_softcap(softcap), window)
+    # Without sinks the kernel never reads its pointer: lse stands in.
+    args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, lse if sinks is None else sinks, *scalars)
     kv_shape = (lay.B, lay.H_kv, lay.S_k, lay.D)
-    replay = _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen),
+    replay = _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen, softcap),
                      lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,), args,
-                     _constexprs(q, causal, window, lay.varlen),
+                     dict(_constexprs(q, causal, window, lay.varlen, softcap), HAS_SINKS=sinks is not None),
                      ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "fwd", k, v) else None)
     if replay is not None:
         runtime.keep_plan(functools.partial(_replay_fwd, lay.lse_shape, scalars, replay))
@@ -857,15 +921,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _replay_fwd(lse_shape, scalars, replay, q, k, v, causal, scale, window, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0):
+                max_seqlen_q=0, max_seqlen_k=0, softcap=NO_SOFTCAP, sinks=None):
     o, lse = _empty_as(q), runtime.empty(lse_shape, torch.float32, q.device)
-    replay((q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *scalars))
+    replay((q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, lse if sinks is None else sinks, *scalars))
     return o, lse
 
 
 def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    return _empty_as(q), _empty_as(k), _empty_as(k)
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, softcap=NO_SOFTCAP):
+    return _empty_as(q), _empty_as(k), _empty_as(k), torch.empty_like(lse)
 
 
 @runtime.custom_op("attention_bwd", fake=_fake_attention_bwd)
@@ -873,10 +937,13 @@ def _fake_attention_bwd(do, dlse, q, k, v, o, lse, causal, scale, window, cu_seq
 def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                   window: int, cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) laid out like q, k and k (dK and dV share strides in the kernel), from dO (any
-    strides), the optional gradient of lse and the forward's O (unit head-dim stride) and lse.
-    Planned and replayed as attention_fwd."""
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                  softcap: float = NO_SOFTCAP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV, delta): dQ, dK, dV laid out like q, k and k (dK and dV share strides in the
+    kernel), from dO (any strides), the optional gradient of lse and the forward's O (unit head-dim
+    stride) and lse; delta = rowsum(dO O) - dlse per row, lse's shape (what sinks' gradient
+    needs; the kernels need no other change for sinks, lse including them). Planned and replayed
+    as attention_fwd."""
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
     lay = _Layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -887,12 +954,13 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
         dq.zero_()
         dk.zero_()
         dv.zero_()
-        return dq, dk, dv
-    consts = _constexprs(q, causal, window, lay.varlen)
+        # No key: O is 0, so delta is -dlse.
+        return dq, dk, dv, torch.zeros_like(lse) if dlse is None else -dlse
+    consts = _constexprs(q, causal, window, lay.varlen, softcap)
     delta = runtime.empty(lse.shape, torch.float32, q.device)
     strides = (*lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do))
-    scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, window)
-    key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen)
+    scalars = (lay.H, lay.H_kv, lay.S_q, lay.S_k, scale, kernel_softcap(softcap), window)
+    key = _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen, softcap)
     lse_strides = lay.lse_strides(lse)
     q_shape, kv_shape = (lay.B, lay.H, lay.S_q, lay.D), (lay.B, lay.H_kv, lay.S_k, lay.D)
     dq_tensors, dkdv_tensors = _bwd_tensors(q, k, v, do, o, dlse, lse, delta, dq, dk_out, dv_out, cu_seqlens_q,
@@ -914,11 +982,12 @@ def attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, 
     if dq_replay is not None and dkdv_replay is not None and (sums is None or sums[0] is not None):
         runtime.keep_plan(functools.partial(_replay_bwd, dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, parts,
                                             sums))
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 def _replay_bwd(dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, parts, sums, do, dlse, q, k, v, o, lse, causal,
-                scale, window, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                scale, window, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                softcap=NO_SOFTCAP):
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()
     dq = _empty_as(q)
@@ -931,34 +1000,46 @@ def _replay_bwd(dq_scalars, dq_replay, dkdv_scalars, dkdv_replay, parts, sums, d
     if sums is not None:
         entry, grid = sums
         _launch_sum_parts.replay(entry, grid, dk_out, dk, dv, dk.numel(), parts)
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    def forward(ctx, q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softcap, sinks):
         o, lse = attention_fwd(q, k, v, causal, scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k)
+                               max_seqlen_k, softcap, sinks)
         # The backward's kernels (several configs each) compile while the forward goes on, with
         # O standing in for dO: a first training step's warm-up.
-        runtime.compile_ahead(("attention_bwd", q.dtype, q.shape[-1], causal, window != NO_WINDOW, cu_seqlens_q is None),
+        runtime.compile_ahead(("attention_bwd", q.dtype, q.shape[-1], causal, window != NO_WINDOW,
+                               cu_seqlens_q is None, softcap != NO_SOFTCAP),
                               attention_bwd, o, None, q, k, v, o, lse, causal, scale, window, cu_seqlens_q,
-                              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap)
         # An unused output's gradient arrives as None, not as zeros to read.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
         ctx.args = (causal, scale, window)
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+        ctx.softcap = softcap
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *ctx.args, cu_seqlens_q, cu_seqlens_k,
-                                   *ctx.max_seqlens)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv, delta = attention_bwd(do, dlse, q, k, v, o, lse, *ctx.args, cu_seqlens_q, cu_seqlens_k,
+                                          *ctx.max_seqlens, ctx.softcap)
+        dsinks = _sinks_grad(sinks, lse, delta) if ctx.needs_input_grad[11] else None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
+
+
+def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks[h] = -sum over the head's rows of P(sink) delta, P(sink) = exp(sink - lse)
+    (the sink's value is 0, so its dP is 0; docs/attention.md, "Sinks"). lse is (B, H, S_q) or
+    (H, total_q): the head is the last-but-one dimension of both, and sinks[:, None] lines up."""
+    per_row = torch.exp(sinks.float()[:, None] - lse) * delta
+    return -(per_row.sum(1) if lse.dim() == 2 else per_row.sum((0, 2))).to(sinks.dtype)
 
 
 # Per cu_seqlens tensor: (its version counter, [first, last, shortest, longest length]); read
@@ -1018,7 +1099,7 @@ def _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) 
             raise ValueError(f"max_seqlen_{of} is {m} but a sequence of cu_seqlens_{of} has {longest} rows")
 
 
-def _check_inputs(q, k, v, causal, scale, window, varlen=False) -> tuple[float, int]:
+def _check_inputs(q, k, v, causal, scale, window, varlen=False, softcap=None, sinks=None) -> tuple[float, int, float]:
     dims, layout = (3, "(total, heads, head_dim)") if varlen else (4, "(batch, heads, seq, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         runtime.check_tensor(name, t, DTYPES)
@@ -1056,19 +1137,44 @@ def _check_inputs(q, k, v, causal, scale, window, varlen=False) -> tuple[float, 
         window = NO_WINDOW
     elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be None or a non-negative int (keys to the left), got {window!r}")
-    return float(scale), window
+    if sinks is not None:
+        check_sinks(q, sinks, H)
+    return float(scale), window, check_softcap(softcap)
+
+
+def check_softcap(softcap) -> float:
+    """softcap as the kernels' launchers take it: a positive finite float, or NO_SOFTCAP for None."""
+    if softcap is None:
+        return NO_SOFTCAP
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be None or a positive finite float, got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(q: torch.Tensor, sinks: torch.Tensor, heads: int) -> None:
+    runtime.check_tensor("sinks", sinks, DTYPES)
+    runtime.check_same_device(q=q, sinks=sinks)
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (heads,) = ({heads},), one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
               window: int | None = None, return_lse: bool = False, *, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None):
+              max_seqlen_k: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Softmax attention of q (B, H, S_q, D) over k, v (B, H_kv, S_k, D); H % H_kv == 0.
 
     scale (positive) defaults to 1/sqrt(D). causal masks keys j > i + S_k - S_q (bottom-right aligned);
     window=left also masks keys j < i + S_k - S_q - left. Rows with no allowed key give 0 and
     lse = -inf. Returns O (B, H, S_q, D), and with return_lse also lse (B, H, S_q) in float32
     (natural log), which is differentiable too.
+
+    softcap=c caps the scaled logits as c tanh(s / c) before the mask (Gemma 2's attention).
+    sinks, a (H,) tensor, gives each head one logit that joins every row's softmax denominator
+    and attends to nothing (GPT-OSS): O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])),
+    lse = log of that denominator (a row with no allowed key gives 0 and lse = sinks[h]); sinks
+    get a gradient when they require one.
 
     Packed variable-length batch (flash-attn's varlen convention): with cu_seqlens_q and
     cu_seqlens_k (int32, (batch + 1,), cumulative from 0, on q's device), q is (total_q, H, D) and
@@ -1081,7 +1187,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     changes in place); under torch.compile and CUDA graph capture they are trusted, and there a
     max_seqlen below a real length silently leaves that sequence's later rows unwritten."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    scale, window = _check_inputs(q, k, v, causal, scale, window, varlen)
+    scale, window, softcap = _check_inputs(q, k, v, causal, scale, window, varlen, softcap, sinks)
     if varlen:
         _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > 65535:
@@ -1093,10 +1199,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             if value is not None:
                 raise ValueError(f"{name} is given without cu_seqlens_q / cu_seqlens_k")
         extra = (None, None, 0, 0)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = runtime.apply(AttentionFunction, q, k, v, causal, scale, window, *extra)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        o, lse = runtime.apply(AttentionFunction, q, k, v, causal, scale, window, *extra, softcap, sinks)
     else:
-        o, lse = attention_fwd(q, k, v, causal, scale, window, *extra)
+        o, lse = attention_fwd(q, k, v, causal, scale, window, *extra, softcap, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -1114,10 +1221,11 @@ def attention_mask(S_q: int, S_k: int, causal: bool, window: int | None, device)
 
 
 def attention_reference(q, k, v, causal=False, scale=None, window=None, return_lse=False, *, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softcap=None, sinks=None):
     """Plain torch in the inputs' dtype, k and v heads repeated. Rows with no allowed key give
-    0 (not the nan of a softmax over all -inf) and lse = -inf, as the kernels do. A packed batch
-    (cu_seqlens) is a loop over its sequences, each a padded call of batch 1."""
+    0 (not the nan of a softmax over all -inf) and lse = -inf (with sinks, the sink), as the
+    kernels do. A packed batch (cu_seqlens) is a loop over its sequences, each a padded call of
+    batch 1."""
     if cu_seqlens_q is not None:
         outs, lses = [], []
         bounds = zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:],
@@ -1125,7 +1233,8 @@ def attention_reference(q, k, v, causal=False, scale=None, window=None, return_l
         for q0, q1, k0, k1 in bounds:
             o, lse = attention_reference(*(t[a:b].transpose(0, 1)[None] for t, a, b in
                                            ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
-                                         causal=causal, scale=scale, window=window, return_lse=True)
+                                         causal=causal, scale=scale, window=window, return_lse=True,
+                                         softcap=softcap, sinks=sinks)
             outs.append(o[0].transpose(0, 1))
             lses.append(lse[0])
         o = torch.cat(outs) if outs else q.new_empty(q.shape)
@@ -1137,7 +1246,15 @@ def attention_reference(q, k, v, causal=False, scale=None, window=None, return_l
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     ok = attention_mask(q.shape[2], k.shape[2], causal, window, q.device)
+    if sinks is not None:
+        s = s.masked_fill(~ok, -math.inf)
+        sink = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        with_sink = torch.cat([s, sink], dim=-1)
+        o = torch.softmax(with_sink, dim=-1)[..., :-1] @ v
+        return (o, torch.logsumexp(with_sink, dim=-1)) if return_lse else o
     any_key = ok.any(-1, keepdim=True)
     s = s.masked_fill(~ok, -math.inf).masked_fill(~any_key, 0.0)
     o = torch.softmax(s, dim=-1).masked_fill(~any_key, 0.0) @ v

@@ -4,7 +4,8 @@
     seq_lens (B,) int32 on the device: sequence b's keys are k_cache[b, :, :seq_lens[b]] and its
     S_q queries are the last S_q of them (query t at position seq_lens[b] - S_q + t sees the
     keys up to itself, and with window=w none more than w before it: attention's bottom-right
-    causal mask). Out (B, H, S_q, D) in q's dtype. Inference only (no backward).
+    causal mask). Out (B, H, S_q, D) in q's dtype. Inference only (no backward). Softcapped
+    logits and sinks as attention() takes them (Gemma 2, GPT-OSS).
 
 A prefill's kernel (ops/attention.py) has one program per query block and head: at S_q = 1 that
 is B x H programs, each reading a whole sequence of keys, too few to stream a long cache at the
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from .attention import LOG2E, NO_SOFTCAP, check_sinks, check_softcap, kernel_softcap, tanh
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -42,21 +44,23 @@ COMBINE_SPLITS = 16
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, part_o_ptr, part_lse_ptr, sinks_ptr,
     stride_l, stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os,
-    H_kv, S_max, split_len, qk_scale, window,
+    H_kv, S_max, split_len, qk_scale, cap_in, cap2, window,
     S_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, HAS_LENS: tl.constexpr,
-    WINDOW: tl.constexpr, SPLITS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLITS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (sequence, KV head, split, row block): BLOCK_M of the GROUP x S_Q query rows of the KV
     head (row r is query head hk * GROUP + r // S_Q, query t = r % S_Q) against keys
-    [split * split_len, + split_len) of the sequence. With SPLITS == 1 it writes the output;
-    otherwise the normalised partial output (fp32) and its base-2 log-sum-exp, for the combine
-    kernel."""
+    [split * split_len, + split_len) of the sequence. With SPLITS == 1 it writes the output (the
+    sink joining the denominator); otherwise the normalised partial output (fp32) and its base-2
+    log-sum-exp, for the combine kernel (which adds the sink). SOFTCAP: logits
+    cap2 tanh(cap_in qk), base 2."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     row_block = tl.program_id(2)
@@ -107,7 +111,11 @@ def _decode_split_kernel(
         ok = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         if WINDOW:
             ok = ok & (offs_n[None, :] >= pos[:, None] - window)
-        s = tl.where(ok, qk * qk_scale, -float("inf"))
+        if SOFTCAP:
+            s = cap2 * tanh(qk * cap_in, TANH_APPROX)
+        else:
+            s = qk * qk_scale
+        s = tl.where(ok, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no allowed key yet keeps m = -inf: subtract 0 instead (no nan).
         m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -117,6 +125,12 @@ def _decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and SPLITS == 1:
+        sink2 = tl.load(sinks_ptr + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
+        acc = acc * alpha[:, None]
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
     o = acc / l_div[:, None]
@@ -132,11 +146,11 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(part_o_ptr, part_lse_ptr, o_ptr, H, stride_ob, stride_oh, stride_os,
-                           S_Q: tl.constexpr, HEAD_D: tl.constexpr, SPLITS: tl.constexpr,
+def _decode_combine_kernel(part_o_ptr, part_lse_ptr, o_ptr, sinks_ptr, H, stride_ob, stride_oh, stride_os,
+                           S_Q: tl.constexpr, HEAD_D: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
                            BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query row: out = sum_i w_i o_i / sum_i w_i, w_i = 2^(lse_i - max lse) over its splits
-    (0 where no split saw a key)."""
+    (0 where no split saw a key); with HAS_SINKS the head's sink joins the denominator."""
     row = tl.program_id(0)
     t = row % S_Q
     h = (row // S_Q) % H
@@ -144,8 +158,13 @@ def _decode_combine_kernel(part_o_ptr, part_lse_ptr, o_ptr, H, stride_ob, stride
     offs_s = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(part_lse_ptr + row * SPLITS + offs_s, mask=offs_s < SPLITS, other=-float("inf"))
     m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink2 = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     m_sub = tl.where(m == -float("inf"), 0.0, m)
     denom = tl.sum(tl.exp2(lse - m_sub), axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink2 - m_sub)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros((BLOCK_D,), tl.float32)
@@ -203,7 +222,7 @@ def _buffers(q: torch.Tensor, seq_lens: torch.Tensor | None, splits: int) -> tup
     return out, part_o, part_lse, seq_lens if seq_lens is not None else out
 
 
-def _fake_decode_attention(q, k_cache, v_cache, seq_lens, scale, window, splits):
+def _fake_decode_attention(q, k_cache, v_cache, seq_lens, scale, window, splits, softcap=NO_SOFTCAP, sinks=None):
     B, H, S_q, D = q.shape
     return q.new_empty((B, S_q, H, D)).transpose(1, 2)
 
@@ -211,7 +230,8 @@ def _fake_decode_attention(q, k_cache, v_cache, seq_lens, scale, window, splits)
 @runtime.custom_op("decode_attention", fake=_fake_decode_attention)
 @runtime.planned(key=runtime.tf32_switch)
 def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         seq_lens: torch.Tensor | None, scale: float, window: int, splits: int) -> torch.Tensor:
+                         seq_lens: torch.Tensor | None, scale: float, window: int, splits: int,
+                         softcap: float = NO_SOFTCAP, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The launches (inputs checked by decode_attention). Planned: a decode step is host-bound."""
     B, H, S_q, D = q.shape
     H_kv, S_max = k_cache.shape[1], k_cache.shape[2]
@@ -221,41 +241,51 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     splits = max(1, runtime.cdiv(S_max, split_len))
     out, part_o, part_lse, lens = _buffers(q, seq_lens, splits)
     consts = dict(S_Q=S_q, GROUP=group, HEAD_D=D, HAS_LENS=seq_lens is not None, WINDOW=window >= 0,
-                  SPLITS=splits, UPCAST=runtime.INTERPRET, INPUT_PRECISION=runtime.input_precision(q.dtype),
+                  SOFTCAP=softcap != NO_SOFTCAP, TANH_APPROX=runtime.COMPILED and q.dtype != torch.float32,
+                  HAS_SINKS=sinks is not None, SPLITS=splits, UPCAST=runtime.INTERPRET,
+                  INPUT_PRECISION=runtime.input_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=_block_n(D), BLOCK_D=runtime.next_power_of_2(D))
     grid = (B * H_kv, splits, runtime.cdiv(group * S_q, block_m))
     scalars = (lens.stride(0) if seq_lens is not None else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(),
                *out.stride()[:3],
-               H_kv, S_max, split_len, scale * math.log2(math.e), max(window, 0))
-    split_entry = _launch_split(grid, q, k_cache, v_cache, lens, out, part_o, part_lse, *scalars,
+               H_kv, S_max, split_len, scale * LOG2E, scale / kernel_softcap(softcap), kernel_softcap(softcap) * LOG2E,
+               max(window, 0))
+    # Without sinks the kernels never read their pointer: out stands in.
+    sinks_arg = out if sinks is None else sinks
+    split_entry = _launch_split(grid, q, k_cache, v_cache, lens, out, part_o, part_lse, sinks_arg, *scalars,
                                 **consts, num_warps=4)
     combine = None
     if splits > 1:
-        combine_consts = dict(S_Q=S_q, HEAD_D=D, SPLITS=splits, BLOCK_SPLITS=runtime.next_power_of_2(splits),
-                              CHUNK=COMBINE_SPLITS, BLOCK_D=runtime.next_power_of_2(D))
-        combine = (_launch_combine((B * H * S_q,), part_o, part_lse, out, H, *out.stride()[:3], **combine_consts,
-                                   num_warps=4), (B * H * S_q,), (H, *out.stride()[:3]))
+        combine_consts = dict(S_Q=S_q, HEAD_D=D, SPLITS=splits, HAS_SINKS=sinks is not None,
+                              BLOCK_SPLITS=runtime.next_power_of_2(splits), CHUNK=COMBINE_SPLITS,
+                              BLOCK_D=runtime.next_power_of_2(D))
+        combine = (_launch_combine((B * H * S_q,), part_o, part_lse, out, sinks_arg, H, *out.stride()[:3],
+                                   **combine_consts, num_warps=4), (B * H * S_q,), (H, *out.stride()[:3]))
     if split_entry is not None:
         runtime.keep_plan(functools.partial(_replay, split_entry, grid, scalars, splits, combine))
     return out
 
 
-def _replay(split_entry, grid, scalars, splits, combine, q, k_cache, v_cache, seq_lens, scale, window, _splits):
+def _replay(split_entry, grid, scalars, splits, combine, q, k_cache, v_cache, seq_lens, scale, window, _splits,
+            softcap=NO_SOFTCAP, sinks=None):
     out, part_o, part_lse, lens = _buffers(q, seq_lens, splits)
-    _launch_split.replay(split_entry, grid, q, k_cache, v_cache, lens, out, part_o, part_lse, *scalars)
+    sinks_arg = out if sinks is None else sinks
+    _launch_split.replay(split_entry, grid, q, k_cache, v_cache, lens, out, part_o, part_lse, sinks_arg, *scalars)
     if combine is not None:
         entry, combine_grid, combine_scalars = combine
-        _launch_combine.replay(entry, combine_grid, part_o, part_lse, out, *combine_scalars)
+        _launch_combine.replay(entry, combine_grid, part_o, part_lse, out, sinks_arg, *combine_scalars)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor | None = None, scale: float | None = None, window: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last S_q (1..16) tokens of each sequence against its KV cache; see the
     module doc. seq_lens None: every sequence fills the cache (S_max keys); a length past S_max
     counts as S_max, one shorter than S_q leaves the rows before its first key 0. num_splits overrides
-    the split count (the tests' knob; default from the cache's shape and the GPU)."""
+    the split count (the tests' knob; default from the cache's shape and the GPU). softcap and
+    sinks (H,) as attention() takes them."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check_tensor(name, t, DTYPES)
         if t.dim() != 4:
@@ -285,6 +315,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: window must be None or an int >= 0, got {window!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"decode_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    softcap = check_softcap(softcap)
+    if sinks is not None:
+        check_sinks(q, sinks, H)
     S_max = k_cache.shape[2]
     if B == 0 or H == 0 or S_max == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
@@ -293,10 +326,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: scale must be a positive finite number, got {scale}")
     device_index = (q.device.index or 0) if q.device.type == "cuda" else 0
     splits = num_splits or default_splits(B, H_kv, S_max, device_index)
-    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, scale, -1 if window is None else window, splits)
+    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, scale, -1 if window is None else window, splits,
+                                softcap, sinks)
 
 
-def decode_attention_reference(q, k_cache, v_cache, seq_lens=None, scale=None, window=None):
+def decode_attention_reference(q, k_cache, v_cache, seq_lens=None, scale=None, window=None, softcap=None,
+                               sinks=None):
     """decode_attention in float64 from its definition (one sequence at a time)."""
     B, H, S_q, D = q.shape
     H_kv, S_max = k_cache.shape[1], k_cache.shape[2]
@@ -307,12 +342,16 @@ def decode_attention_reference(q, k_cache, v_cache, seq_lens=None, scale=None, w
         k = k_cache[b, :, :n].double().repeat_interleave(H // H_kv, dim=0)
         v = v_cache[b, :, :n].double().repeat_interleave(H // H_kv, dim=0)
         s = q[b].double() @ k.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(S_q, device=q.device)[:, None] + n - S_q
         j = torch.arange(n, device=q.device)[None, :]
         allowed = j <= pos
         if window is not None:
             allowed &= j >= pos - window
         s = s.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None, None].expand(H, S_q, 1)], dim=-1)
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        out[b] = p @ v
+        out[b] = p[..., :n] @ v
     return out
