@@ -156,6 +156,7 @@ def _ce_bad(logits=None, target=None, **kwargs):
         (_ce_bad(label_smoothing=-0.1), ValueError, "label_smoothing must be"),
         (_ce_bad(z_loss=-1e-4), ValueError, "z_loss must be"),
         (_ce_bad(z_loss=float("nan")), ValueError, "z_loss must be"),
+        (_ce_bad(softcap=0.0), ValueError, "softcap must be None or a positive finite float"),
         (_ce_bad(ignore_index=1.5), TypeError, "ignore_index must be an int"),
         (_ce_bad(inplace_backward="yes"), TypeError, "inplace_backward must be a bool"),
     ],
@@ -320,6 +321,7 @@ def _flce_bad(hidden=None, weight=None, target=None, **kwargs):
         (_flce_bad(num_items_in_batch=True), ValueError, "num_items_in_batch must be a positive number"),
         (_flce_bad(num_items_in_batch=torch.ones(2)), ValueError, "num_items_in_batch must hold one number"),
         (_flce_bad(label_smoothing=2.0), ValueError, "label_smoothing must be"),
+        (_flce_bad(softcap=-30.0), ValueError, "softcap must be None or a positive finite float"),
     ],
 )
 def test_fused_bad_input_is_named(make, error, match, device):

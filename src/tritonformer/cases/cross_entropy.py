@@ -71,6 +71,12 @@ def cross_entropy_test_cases() -> list[TestCase]:
         case("fp32-logits-1e4-mean-zloss", (10, 500), torch.float32, scale=1e4, z_loss=1e-4),
         case("fp32-unbatched", (77,), torch.float32, reduction="none"),
         TestCase("bf16-float-max", near_float_max, torch.bfloat16),
+        # Gemma 2's final-logit softcapping (logits scaled past the cap, over chunk boundaries).
+        case(f"fp32-softcap-looped-7x{ROW_CHUNK + 300}", (7, ROW_CHUNK + 300), torch.float32, scale=20.0,
+             ignored=0.2, softcap=30.0),
+        case("bf16-softcap-none-smoothing-zloss", (9, 333), torch.bfloat16, scale=10.0, reduction="none",
+             softcap=5.0, label_smoothing=0.1, z_loss=1e-3),
+        case("fp16-softcap-1024x256000", (1024, 256000), torch.float16, scale=20.0, softcap=30.0, gpu_only=True),
     ]
     return cases
 
@@ -205,6 +211,10 @@ def fused_linear_cross_entropy_test_cases() -> list[TestCase]:
         case(f"bf16-looped-17x24x{ROW_CHUNK + 500}", 17, 24, ROW_CHUNK + 500, torch.bfloat16, bias=True),
         case("fp32-hidden-transposed", 23, 20, 150, torch.float32, transposed=True, ignored=0.2),
         case("fp32-ignore-index-0", 23, 20, 150, torch.float32, ignore_index=0, ignored=0.2),
+        # Gemma 2's final-logit softcapping: hidden scaled so that the logits pass the cap.
+        case("fp32-softcap-31x16x200", 31, 16, 200, torch.float32, ignored=0.3, softcap=1.5),
+        case("bf16-softcap-none-bias", 18, 40, 260, torch.bfloat16, bias=True, reduction="none", softcap=2.0),
+        case("bf16-softcap-1024x512x32000", 1024, 512, 32000, torch.bfloat16, softcap=2.0, gpu_only=True),
     ]
     return cases
 

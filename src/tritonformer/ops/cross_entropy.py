@@ -1,6 +1,8 @@
 """Cross entropy over a vocabulary, alone and fused with the linear layer that makes the logits.
 
-Per row of logits x (V classes) with target t, label smoothing e and z-loss weight z:
+Per row of logits x (V classes) with target t, label smoothing e and z-loss weight z (with
+softcap=c the logits are first capped, x = c tanh(x / c) as Gemma 2's final logits, and the
+gradient carries tanh's derivative 1 - (x / c)^2):
 
     lse  = log sum_j exp(x_j)
     loss = (1 - e) (lse - x_t) + e (lse - mean_j x_j) + z lse^2
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from .attention import NO_SOFTCAP, check_softcap, kernel_softcap, tanh
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -58,9 +61,18 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _row_stats(x_row, t, V, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """(m, log_s, mean_below_max, x_t) of one row: lse = m + log_s, mean_below_max the mean of
-    x - m (label smoothing's share). x_t is NaN when t is outside [0, V)."""
+def _capped(x, softcap, SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr):
+    """softcap tanh(x / softcap) with SOFTCAP, else x (fp32)."""
+    if SOFTCAP:
+        x = softcap * tanh(x / softcap, TANH_APPROX)
+    return x
+
+
+@triton.jit
+def _row_stats(x_row, t, V, softcap, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr):
+    """(m, log_s, mean_below_max, x_t) of one row (capped logits with SOFTCAP): lse = m + log_s,
+    mean_below_max the mean of x - m (label smoothing's share). x_t is NaN when t is outside [0, V)."""
     cols = tl.arange(0, CHUNK)
     m = tl.full((), -FLT_MAX, tl.float32)
     # Per-lane sums against a shared running max: one exp per element, one max-reduction per chunk.
@@ -71,6 +83,8 @@ def _row_stats(x_row, t, V, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOT
         offs = start + cols
         mask = offs < V
         x = tl.load(x_row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        if SOFTCAP:  # past the row's end -inf, not the cap's -softcap
+            x = tl.where(mask, _capped(x, softcap, SOFTCAP, TANH_APPROX), -float("inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         x_below = x - m_new
         s = s * tl.exp(m - m_new) + tl.exp(x_below)
@@ -86,7 +100,7 @@ def _row_stats(x_row, t, V, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOT
     log_s = tl.log(tl.sum(s, axis=0))
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(x_row + tl.where(in_range, t, 0)).to(tl.float32)
-    x_t = tl.where(in_range, x_t, float("nan"))
+    x_t = tl.where(in_range, _capped(x_t, softcap, SOFTCAP, TANH_APPROX), float("nan"))
     return m, log_s, tl.sum(below, axis=0), x_t
 
 
@@ -104,9 +118,15 @@ def _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss,
 
 
 @triton.jit
-def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss,
-                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
-    """g * dloss/dx for the logits x at columns offs of a row (fp32)."""
+def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, softcap,
+                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr,
+                TANH_APPROX: tl.constexpr):
+    """g * dloss/dx for the logits x at columns offs of a row (fp32; uncapped: with SOFTCAP the
+    cap and its derivative are applied here)."""
+    if SOFTCAP:
+        th = tanh(x / softcap, TANH_APPROX)
+        x = softcap * th
+        g = g * (1.0 - th * th)
     # x - m first: exact for logits near the max, where exp(x - lse) would lose lse's rounding.
     dx = tl.exp((x - m) - log_s)
     if HAS_Z_LOSS:
@@ -125,8 +145,9 @@ def _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss,
 @triton.jit(debug=not runtime.INTERPRET)
 def _ce_fwd_kernel(
     x_ptr, target_ptr, loss_ptr, stats_ptr, out_ptr, counter_ptr, V, stride_x, stride_t, ignore_index,
-    label_smoothing, z_loss, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
+    label_smoothing, z_loss, softcap, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr, REDUCE: tl.constexpr,
+    MEAN: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
 ):
     """A row's loss to loss_ptr[row] and its (max, log-sum) to stats_ptr[2 row:]. REDUCE: the
     program that arrives last (counted at counter_ptr, reset after) also reduces the row losses
@@ -138,7 +159,8 @@ def _ce_fwd_kernel(
     # An ignored row is not read at all.
     if t != ignore_index:
         tl.device_assert((t >= 0) & (t < V), "cross_entropy: a target is neither ignore_index nor in [0, V)")
-        m, log_s, mean_below_max, x_t = _row_stats(x_ptr + row * stride_x, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        m, log_s, mean_below_max, x_t = _row_stats(x_ptr + row * stride_x, t, V, softcap, CHUNK, STAGES,
+                                                   HAS_SMOOTHING, SOFTCAP, TANH_APPROX)
         loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
@@ -156,8 +178,9 @@ def _ce_fwd_kernel(
 @triton.jit
 def _ce_bwd_kernel(
     x_ptr, target_ptr, stats_ptr, grad_loss_ptr, dx_ptr,
-    V, stride_x, stride_dx, stride_t, stride_grad, ignore_index, label_smoothing, z_loss,
-    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
+    V, stride_x, stride_dx, stride_t, stride_grad, ignore_index, label_smoothing, z_loss, softcap,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """A block of a row's gradient; stats as the forward left them (the count of rows not ignored
     after the rows' pairs)."""
@@ -175,14 +198,16 @@ def _ce_bwd_kernel(
         m = tl.load(stats_ptr + 2 * row)
         log_s = tl.load(stats_ptr + 2 * row + 1)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+        dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING, HAS_Z_LOSS,
+                         SOFTCAP, TANH_APPROX)
         tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(debug=not runtime.INTERPRET)
 def _loss_and_grad_kernel(
     x_ptr, target_ptr, loss_ptr, scale_ptr, V, stride_t, stride_scale, ignore_index, label_smoothing, z_loss,
-    CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    softcap, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr, TANH_APPROX: tl.constexpr,
 ):
     """Loss of a row of the contiguous logits x, then x overwritten by scale[row] * dloss/dx."""
     row = tl.program_id(0).to(tl.int64)
@@ -197,14 +222,16 @@ def _loss_and_grad_kernel(
     else:
         tl.device_assert((t >= 0) & (t < V),
                          "fused_linear_cross_entropy: a target is neither ignore_index nor in [0, V)")
-        m, log_s, mean_below_max, x_t = _row_stats(x_row, t, V, CHUNK, STAGES, HAS_SMOOTHING)
+        m, log_s, mean_below_max, x_t = _row_stats(x_row, t, V, softcap, CHUNK, STAGES, HAS_SMOOTHING, SOFTCAP,
+                                                   TANH_APPROX)
         loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         g = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
         for start in tl.range(0, V, CHUNK, num_stages=STAGES):
             offs = start + cols
             mask = offs < V
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
+            dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING,
+                             HAS_Z_LOSS, SOFTCAP, TANH_APPROX)
             tl.store(x_row + offs, dx.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
 
@@ -271,18 +298,21 @@ def _row_launch(V: int, row_chunk: int = ROW_CHUNK) -> dict:
     return launch if runtime.INTERPRET else {**launch, "sanitize_overflow": False}
 
 
-def _flags(label_smoothing: float, z_loss: float) -> dict:
-    return {"HAS_SMOOTHING": label_smoothing != 0.0, "HAS_Z_LOSS": z_loss != 0.0}
+def _flags(label_smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype) -> dict:
+    # float32 logits are the precision path: tanh to float32's precision, not MUFU's 2^-11.
+    return {"HAS_SMOOTHING": label_smoothing != 0.0, "HAS_Z_LOSS": z_loss != 0.0, "SOFTCAP": softcap != NO_SOFTCAP,
+            "TANH_APPROX": runtime.COMPILED and dtype != torch.float32}
 
 
-def _row_losses(x, target, loss, stats, ignore_index, label_smoothing, z_loss) -> None:
+def _row_losses(x, target, loss, stats, ignore_index, label_smoothing, z_loss, softcap) -> None:
     """Per-row loss (into `loss`, any float dtype) and (max, log-sum) per row (into `stats`)."""
     N, V = x.shape
     if N == 0:
         return
     # loss and stats stand in for the reduction's pointers, never read without REDUCE.
     _launch_fwd((N,), x, target, loss, stats, loss, stats, V, x.stride(0), target.stride(0), ignore_index,
-                label_smoothing, z_loss, **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=False,
+                label_smoothing, z_loss, kernel_softcap(softcap), **_row_launch(V),
+                **_flags(label_smoothing, z_loss, softcap, x.dtype), REDUCE=False,
                 MEAN=False, REDUCE_BLOCK=REDUCE_BLOCK)
 
 
@@ -294,7 +324,7 @@ def _reduce(row_loss, target, out, count, divisor, ignore_index, mean: bool) -> 
                    BLOCK=min(REDUCE_BLOCK, max(16, runtime.next_power_of_2(N))), num_warps=4)
 
 
-def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction):
+def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction, softcap=NO_SOFTCAP):
     N = logits.shape[0]
     loss = logits.new_empty((N,) if reduction == "none" else ())
     return loss, logits.new_empty((2 * N + 1,), dtype=torch.float32)
@@ -304,7 +334,7 @@ def _fake_cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_los
 @runtime.planned
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
-    reduction: str,
+    reduction: str, softcap: float = NO_SOFTCAP,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, stats) for logits (N, V) with unit column stride: stats holds each row's (max,
     log-sum) in float32, then (reduced losses) the count of rows not ignored. Planned
@@ -316,8 +346,9 @@ def cross_entropy_fwd(
             _reduce(stats[:0], target, loss, stats, None, ignore_index, mean=reduction == "mean")
         return loss, stats
     V = logits.shape[1]
-    scalars = (V, logits.stride(0), target.stride(0), ignore_index, label_smoothing, z_loss)
-    entry = _launch_fwd((N,), *tensors, *scalars, **_row_launch(V), **_flags(label_smoothing, z_loss), REDUCE=reduced,
+    scalars = (V, logits.stride(0), target.stride(0), ignore_index, label_smoothing, z_loss, kernel_softcap(softcap))
+    entry = _launch_fwd((N,), *tensors, *scalars, **_row_launch(V),
+                        **_flags(label_smoothing, z_loss, softcap, logits.dtype), REDUCE=reduced,
                         MEAN=reduction == "mean", REDUCE_BLOCK=REDUCE_BLOCK)
     if entry is not None:
         runtime.keep_plan(functools.partial(_replay_fwd, entry, scalars))
@@ -335,22 +366,24 @@ def _fwd_buffers(logits, target, reduction) -> tuple[torch.Tensor, torch.Tensor,
     return loss, stats, (logits, target, row_loss, stats, loss, runtime.arrival_counters(device, 1))
 
 
-def _replay_fwd(entry, scalars, logits, target, ignore_index, label_smoothing, z_loss, reduction):
+def _replay_fwd(entry, scalars, logits, target, ignore_index, label_smoothing, z_loss, reduction, softcap=NO_SOFTCAP):
     loss, stats, tensors = _fwd_buffers(logits, target, reduction)
     _launch_fwd.replay(entry, (logits.shape[0],), *tensors, *scalars)
     return loss, stats
 
 
 @runtime.planned
-def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction) -> None:
+def _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction,
+               softcap) -> None:
     N, V = logits.shape
     if N == 0:
         return
     grid = (N, runtime.cdiv(V, BWD_BLOCK))
     stride_grad = grad_loss.stride(0) if reduction == "none" else 0
-    scalars = (V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing, z_loss)
+    scalars = (V, logits.stride(0), dx.stride(0), target.stride(0), stride_grad, ignore_index, label_smoothing, z_loss,
+               kernel_softcap(softcap))
     entry = _launch_bwd(grid, logits, target, stats, grad_loss, dx, *scalars, MEAN=reduction == "mean",
-                        **_flags(label_smoothing, z_loss), BLOCK=BWD_BLOCK, num_warps=BWD_WARPS)
+                        **_flags(label_smoothing, z_loss, softcap, logits.dtype), BLOCK=BWD_BLOCK, num_warps=BWD_WARPS)
     if entry is not None:
         runtime.keep_plan(functools.partial(_replay_grad_into, entry, grid, scalars))
 
@@ -359,33 +392,34 @@ def _replay_grad_into(entry, grid, scalars, dx, logits, target, stats, grad_loss
     _launch_bwd.replay(entry, grid, logits, target, stats, grad_loss, dx, *scalars)
 
 
-def _fake_cross_entropy_bwd(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction):
+def _fake_cross_entropy_bwd(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction,
+                            softcap=NO_SOFTCAP):
     return logits.new_empty(logits.shape)
 
 
 @runtime.custom_op("cross_entropy_bwd", fake=_fake_cross_entropy_bwd)
 def cross_entropy_bwd(
     logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_loss: torch.Tensor,
-    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
+    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str, softcap: float = NO_SOFTCAP,
 ) -> torch.Tensor:
     """The gradient of the loss with respect to logits (N, V), in a new contiguous tensor."""
     dx = runtime.empty(logits.shape, logits.dtype, logits.device)
-    _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+    _grad_into(dx, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction, softcap)
     return dx
 
 
 def _fake_cross_entropy_bwd_inplace(logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss,
-                                    reduction):
+                                    reduction, softcap=NO_SOFTCAP):
     return None
 
 
 @runtime.custom_op("cross_entropy_bwd_inplace", fake=_fake_cross_entropy_bwd_inplace, mutates_args=("logits",))
 def cross_entropy_bwd_inplace(
     logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_loss: torch.Tensor,
-    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str,
+    ignore_index: int, label_smoothing: float, z_loss: float, reduction: str, softcap: float = NO_SOFTCAP,
 ) -> None:
     """cross_entropy_bwd, written over the logits (each program reads its block before writing it)."""
-    _grad_into(logits, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction)
+    _grad_into(logits, logits, target, stats, grad_loss, ignore_index, label_smoothing, z_loss, reduction, softcap)
 
 
 def _refuse_second_backward(ctx, op: str, why: str, instead: str) -> None:
@@ -400,12 +434,12 @@ def _refuse_second_backward(ctx, op: str, why: str, instead: str) -> None:
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, inplace_backward):
-        loss, stats = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction)
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, softcap, inplace_backward):
+        loss, stats = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction, softcap)
         # Saved detached when the backward writes into it: the gradient returned is then an alias
         # of the logits, not the logits tensor itself (a leaf would become its own .grad).
         ctx.save_for_backward(logits.detach() if inplace_backward else logits, target, stats)
-        ctx.args = (ignore_index, label_smoothing, z_loss, reduction)
+        ctx.args = (ignore_index, label_smoothing, z_loss, reduction, softcap)
         ctx.inplace_backward = inplace_backward
         return loss
 
@@ -421,7 +455,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             dlogits = logits
         else:
             dlogits = cross_entropy_bwd(logits, target, stats, grad_loss, *ctx.args)
-        return dlogits, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None
 
 
 def _check_loss_args(ignore_index, reduction, label_smoothing, z_loss) -> None:
@@ -456,6 +490,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     inplace_backward: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross entropy of logits (..., V) against class indices target (...), int64 or int32.
 
@@ -463,6 +498,8 @@ def cross_entropy(
     dimension 1, as torch takes for more than two dimensions), plus `z_loss * logsumexp(row)**2`
     per row that is not ignored, reduced like the loss. Computed in float32; the loss and the
     gradient have the logits' dtype. Logits whose last dimension is strided are copied first.
+    softcap=c takes the loss of c tanh(logits / c) (Gemma 2's final-logit softcapping), the
+    capped logits never stored.
 
     inplace_backward=True writes the gradient over the logits instead of allocating one (saves
     their size in memory). Their values are gone after backward; only ask for it when nothing
@@ -482,7 +519,7 @@ def cross_entropy(
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
     x, t = runtime.rows_view(logits, V), target.reshape(-1)
-    args = (int(ignore_index), float(label_smoothing), float(z_loss), reduction)
+    args = (int(ignore_index), float(label_smoothing), float(z_loss), reduction, check_softcap(softcap))
     if logits.requires_grad and torch.is_grad_enabled():
         loss = runtime.apply(CrossEntropyFunction, x, t, *args, inplace_backward)
     else:
@@ -491,8 +528,10 @@ def cross_entropy(
 
 
 def cross_entropy_reference(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                            inplace_backward=False):
+                            inplace_backward=False, softcap=None):
     """torch.nn.functional.cross_entropy (classes last) plus the z-loss, in the logits' dtype."""
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     V = logits.shape[-1]
     x, t = logits.reshape(-1, V), target.reshape(-1).long()
     rows = F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
@@ -525,7 +564,7 @@ def _row_grad_scale(target, num_items, grad_rows, ignore_index, reduction) -> to
 
 
 def _fake_flce_fwd(hidden, weight, target, bias, num_items, grad_rows, ignore_index, label_smoothing, z_loss,
-                   reduction, grad_hidden, grad_weight, grad_bias):
+                   softcap, reduction, grad_hidden, grad_weight, grad_bias):
     T = hidden.shape[0]
     loss = hidden.new_empty((T,)) if reduction == "none" else hidden.new_empty((), dtype=torch.float32)
     return (loss, hidden.new_empty(hidden.shape if grad_hidden else 0),
@@ -537,7 +576,7 @@ def _fake_flce_fwd(hidden, weight, target, bias, num_items, grad_rows, ignore_in
 def fused_linear_cross_entropy_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     num_items: torch.Tensor | None, grad_rows: torch.Tensor | None, ignore_index: int, label_smoothing: float,
-    z_loss: float, reduction: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    z_loss: float, softcap: float, reduction: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dloss/dhidden, dloss/dweight, dloss/dbias) for hidden (T, H), weight (V, H), bias (V,);
     a gradient not asked for is an empty tensor. The gradients are those of the reduced loss (sum
@@ -555,7 +594,7 @@ def fused_linear_cross_entropy_fwd(
     rows = _flce_chunk_rows(T, V, hidden.element_size())
     buffer = runtime.empty((rows, V), dtype, device)
     stats = runtime.empty((rows, 2), torch.float32, device)
-    launch = {**_row_launch(V, FLCE_ROW_CHUNK), **_flags(label_smoothing, z_loss)}
+    launch = {**_row_launch(V, FLCE_ROW_CHUNK), **_flags(label_smoothing, z_loss, softcap, dtype)}
     # Ahead of a first step (runtime.compile_ahead) only the kernels matter: no matmuls.
     matmuls = not runtime.compiling_ahead()
     for start in range(0, T, rows):
@@ -567,11 +606,11 @@ def fused_linear_cross_entropy_fwd(
             else:
                 torch.addmm(bias, h, weight.t(), out=logits)
         if not with_grads:
-            _row_losses(logits, t, chunk_loss, stats, ignore_index, label_smoothing, z_loss)
+            _row_losses(logits, t, chunk_loss, stats, ignore_index, label_smoothing, z_loss, softcap)
             continue
         g = scale[start:end] if scale.dim() else scale
         _launch_loss_and_grad((end - start,), logits, t, chunk_loss, g, V, t.stride(0), g.stride(0) if g.dim() else 0,
-                              ignore_index, label_smoothing, z_loss, **launch)
+                              ignore_index, label_smoothing, z_loss, kernel_softcap(softcap), **launch)
         if not matmuls:
             continue
         if grad_hidden:
@@ -606,10 +645,11 @@ def scale_(x: torch.Tensor, factor: torch.Tensor) -> None:
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss, reduction):
+    def forward(ctx, hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss, softcap,
+                reduction):
         needs = ctx.needs_input_grad
         flags = (needs[0], needs[1], bias is not None and needs[3])
-        args = (ignore_index, label_smoothing, z_loss)
+        args = (ignore_index, label_smoothing, z_loss, softcap)
         ctx.flags, ctx.args = flags, args
         ctx.recompute = reduction == "none"
         if ctx.recompute:
@@ -637,7 +677,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if needed:
                     scale_(grad, grad_loss)
         dh, dw, db = (g if needed else None for g, needed in zip((dh, dw, db), ctx.flags))
-        return dh, dw, None, db, None, None, None, None, None
+        return dh, dw, None, db, None, None, None, None, None, None
 
 
 def _num_items_tensor(num_items, reduction: str, device) -> torch.Tensor | None:
@@ -669,8 +709,10 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     num_items_in_batch: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T + bias, target, ...) without the (tokens, V) logits.
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without the (tokens, V) logits
+    (softcap as cross_entropy takes it).
 
     hidden (..., H), weight (V, H) and bias (V,) share a float dtype; target (...) holds class
     indices (int64 or int32). Logits and their gradient are formed in that dtype by cuBLAS, a
@@ -714,7 +756,7 @@ def fused_linear_cross_entropy(
     _check_target(target, hidden.shape[:-1], "hidden.shape[:-1]", V, ignore_index)
     num_items = _num_items_tensor(num_items_in_batch, reduction, hidden.device)
     h, t = hidden.reshape(-1, H), target.reshape(-1)
-    args = (int(ignore_index), float(label_smoothing), float(z_loss))
+    args = (int(ignore_index), float(label_smoothing), float(z_loss), check_softcap(softcap))
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if needs_grad and torch.is_grad_enabled():
         loss = runtime.apply(FusedLinearCrossEntropyFunction, h, weight, t, bias, num_items, *args, reduction)
@@ -725,9 +767,11 @@ def fused_linear_cross_entropy(
 
 
 def fused_linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                                         label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
+                                         label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None, softcap=None):
     """cross_entropy_reference of the full logits."""
     logits = F.linear(hidden, weight, bias)
     if num_items_in_batch is None:
-        return cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, z_loss)
-    return cross_entropy_reference(logits, target, ignore_index, "sum", label_smoothing, z_loss) / num_items_in_batch
+        return cross_entropy_reference(logits, target, ignore_index, reduction, label_smoothing, z_loss,
+                                       softcap=softcap)
+    return cross_entropy_reference(logits, target, ignore_index, "sum", label_smoothing, z_loss,
+                                   softcap=softcap) / num_items_in_batch
