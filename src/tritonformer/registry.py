@@ -18,6 +18,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     swiglu.MLP_SPEC,
     rope.SPEC,
     rope.QKV_SPEC,
+    rope.INTO_CACHE_SPEC,
     cross_entropy.SPEC,
     cross_entropy.FUSED_LINEAR_SPEC,
     scaled_matmul.SPEC,

@@ -1,7 +1,9 @@
 """Cases of `apply_rope` and `qkv_rope`: both layouts, GQA, per-batch, mixed-dtype and strided
 tables, non-contiguous q and k in every float dtype for the tests; Llama-shaped q and k (bf16, and
 fp32) forward and forward+backward for the benchmark, and the attention's input projections with
-the rotation, against torch, torch.compile and Liger."""
+the rotation, against torch, torch.compile and Liger. Cases of `rope_into_cache` (a decode step's
+rope and cache writes): ragged positions, positions past the cache, strided inputs; Llama-3-8B's
+heads at batch 1 to 64 for the benchmark, against torch's rope and index writes, compiled too."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import functools
 import torch
 
 from .. import runtime
-from ..ops.rope import apply_rope, apply_rope_reference, qkv_rope, qkv_rope_reference
+from ..ops.rope import (apply_rope, apply_rope_reference, qkv_rope, qkv_rope_reference, rope_into_cache,
+                        rope_into_cache_reference)
 from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
 from . import peers
 
@@ -209,6 +212,60 @@ def qkv_rope_bench_cases() -> list[BenchCase]:
     return cases
 
 
+def rope_into_cache_outputs(q, k, v, cos, sin, positions, k_cache, v_cache):
+    """rope_into_cache's three results, for the registry: q rotated and the two caches it wrote."""
+    return rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache), k_cache, v_cache
+
+
+def _decode_step_inputs(B, H, H_kv, S_max, D, dtype, device, positions, strided=False):
+    """(q, k, v, cos, sin, positions, k_cache, v_cache) of one decode step; strided: q, k and v
+    as views of one (B, H + 2 H_kv, D) projection, as a fused qkv product hands them over."""
+    if strided:
+        qkv = torch.randn(B, H + 2 * H_kv, D, device=device).to(dtype)
+        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
+    else:
+        q, k, v = (torch.randn(B, n, D, device=device).to(dtype) for n in (H, H_kv, H_kv))
+    cos, sin = (_table((B, 1, D), dtype, device) for _ in range(2))
+    caches = [torch.randn(B, H_kv, S_max, D, device=device).to(dtype) for _ in range(2)]
+    return q, k, v, cos, sin, torch.tensor(positions, device=device), *caches
+
+
+def rope_into_cache_test_cases() -> list[TestCase]:
+    def case(id, dtype, B, H, H_kv, S_max, D, positions, strided=False, gpu_only=False):
+        return TestCase(id, lambda device: (_decode_step_inputs(B, H, H_kv, S_max, D, dtype, device, positions,
+                                                                strided), {}), dtype, gpu_only=gpu_only)
+
+    return [
+        case("fp32-ragged", torch.float32, 3, 4, 2, 9, 32, [0, 8, 3]),
+        case("bf16-past-the-cache", torch.bfloat16, 3, 6, 2, 7, 64, [7, -1, 2]),
+        case("fp16-fused-qkv-view", torch.float16, 2, 8, 1, 5, 80, [4, 0], strided=True),
+        case("bf16-64x32/8x4096x128", torch.bfloat16, 64, 32, 8, 4096, 128, list(range(0, 4096, 64)),
+             gpu_only=True),
+    ]
+
+
+def rope_into_cache_bench_cases() -> list[BenchCase]:
+    cases = []
+    for B, S_max in ((1, 64), (1, 4096), (16, 4096), (64, 4096)):
+        H, H_kv, D, dtype = (4, 2, 32, torch.bfloat16) if S_max == 64 else (32, 8, 128, torch.bfloat16)
+
+        def setup(B=B, H=H, H_kv=H_kv, S_max=S_max, D=D, dtype=dtype):
+            args = _decode_step_inputs(B, H, H_kv, S_max, D, dtype, runtime.DEVICE,
+                                       [(b * 37) % S_max for b in range(B)])
+            leaves = [t.double() if t.is_floating_point() else t for t in args]
+            return Bench(peers.available({
+                "tritonformer": lambda: rope_into_cache(*args),
+                "torch": lambda: rope_into_cache_reference(*args),
+                "torch.compile": peers.compiled(rope_into_cache_reference, *args),
+            }), reference=lambda: rope_into_cache_reference(*leaves)[0])
+
+        # q read and written, k and v read, their cache rows written, the tables read.
+        moved = (2 * B * H * D + 4 * B * H_kv * D + 2 * B * D) * dtype.itemsize
+        cases.append(BenchCase("rope_into_cache", "fwd", dtype, f"B{B} {H}/{H_kv}x{D} cache {S_max}", B, setup,
+                               bytes=moved, plot=f"decode step {short_dtype(dtype)}", quick=S_max == 64))
+    return cases
+
+
 SPEC = OpSpec(
     name="rope",
     fn=apply_rope,
@@ -220,3 +277,6 @@ SPEC = OpSpec(
 
 QKV_SPEC = OpSpec(name="qkv_rope", fn=qkv_rope, reference=qkv_rope_reference, test_cases=qkv_rope_test_cases,
                   bench_cases=qkv_rope_bench_cases, compare="norm")
+
+INTO_CACHE_SPEC = OpSpec(name="rope_into_cache", fn=rope_into_cache_outputs, reference=rope_into_cache_reference,
+                         test_cases=rope_into_cache_test_cases, bench_cases=rope_into_cache_bench_cases)

@@ -714,6 +714,17 @@ def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     return rope_into_cache_fwd(q, k, v, cos, sin, positions, k_cache, v_cache)
 
 
+def rope_into_cache_reference(q, k, v, cos, sin, positions, k_cache, v_cache):
+    """rope_into_cache in plain torch: (q rotated, k_cache, v_cache) with the caches written in
+    place at each position inside them, as the kernel writes them."""
+    cos, sin = (t.reshape(t.shape[0], t.shape[-1])[:, None] for t in (cos, sin))  # (B, 1, D): one position
+    q_rot, k_rot = apply_rope_reference(q[:, :, None], k[:, :, None], cos, sin, "bhsd")
+    for b, p in enumerate(positions.tolist()):
+        if 0 <= p < k_cache.shape[2]:
+            k_cache[b, :, p], v_cache[b, :, p] = k_rot[b, :, 0], v[b]
+    return q_rot[:, :, 0], k_cache, v_cache
+
+
 def qkv_rope_reference(x, w_q, w_k, w_v, cos, sin, b_q=None, b_k=None, b_v=None):
     q, k, v = _projected_heads(x, w_q, w_k, w_v, b_q, b_k, b_v, cos.shape[-1])
     q, k = apply_rope_reference(q, k, cos, sin, "bhsd")
