@@ -8,6 +8,9 @@ to 64, against SDPA over the same cache."""
 
 from __future__ import annotations
 
+import math
+import types
+
 import torch
 
 from .. import runtime
@@ -166,7 +169,61 @@ def bench_cases() -> list[BenchCase]:
             cases.append(BenchCase(
                 "attention", mode, dtype, f"B{B}xH{H}xS{S}xD{D}{'-causal' if causal else ''}", S, setup,
                 flops=flops, plot=f"{title} {'causal' if causal else 'full'} bf16", quick=quick, compare="norm"))
-    return cases + _varlen_bench_cases()
+    return cases + _varlen_bench_cases() + _softcap_sinks_bench_cases()
+
+
+def _softcap_sinks_bench_cases() -> list[BenchCase]:
+    """Gemma-2-9B's attention (16/8 heads of 256, softcap 50) and GPT-OSS-20b's (64/8 heads of 64,
+    sinks), causal at 4096: ours with the option, ours without it (the option's cost), and HF's
+    eager function of the family (what HF runs for it; SDPA takes neither), given HF's additive
+    causal mask and a module with the attributes it reads."""
+    dtype, cases = torch.bfloat16, []
+    grid = [  # family, B, H, H_kv, S, D, quick
+        ("gemma2", 2, 16, 8, 4096, 256, False), ("gpt_oss", 4, 64, 8, 4096, 64, False),
+        ("gemma2", 1, 2, 1, 64, 32, True), ("gpt_oss", 1, 4, 2, 64, 32, True)]
+    for family, B, H, H_kv, S, D, quick in grid:
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(family=family, B=B, H=H, H_kv=H_kv, S=S, D=D, mode=mode):
+                device, grad = runtime.DEVICE, mode != "fwd"
+                q = torch.randn(B, H, S, D, device=device, dtype=dtype, requires_grad=grad)
+                k, v = (torch.randn(B, H_kv, S, D, device=device, dtype=dtype, requires_grad=grad) for _ in range(2))
+                sinks = torch.randn(H, device=device, dtype=dtype, requires_grad=grad) if family == "gpt_oss" else None
+                option = dict(softcap=50.0) if family == "gemma2" else dict(sinks=sinks)
+                leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+                eager = peers.hf_eager_attention(family)
+                module = types.SimpleNamespace(num_key_value_groups=H // H_kv, head_dim=D, training=False, sinks=sinks)
+                mask = torch.full((S, S), -math.inf, device=device, dtype=dtype).triu(1)[None, None]
+                providers = {
+                    "tritonformer": lambda: attention(q, k, v, causal=True, **option),
+                    "tritonformer-plain": lambda: attention(q, k, v, causal=True),
+                    "hf-eager": None if eager is None else lambda: eager(module, q, k, v, mask, scaling=D**-0.5,
+                                                                           **option if family == "gemma2" else {})[0]
+                    .transpose(1, 2),
+                }
+                small = B * H * S * S <= 2**28
+                doubled = [t.detach().double().requires_grad_(grad) for t in leaves]
+                ref_option = dict(softcap=50.0) if family == "gemma2" else dict(sinks=doubled[3])
+
+                def reference():
+                    out = attention_reference(*doubled[:3], causal=True, **ref_option)
+                    return torch.autograd.grad(out, doubled, do.double()) if grad else out
+
+                if not grad:
+                    return Bench(peers.available(providers), reference=reference if small else None)
+                do = torch.randn_like(q)
+                # The plain kernel gives no sinks gradient: each provider differentiates what it has.
+                fwd_bwd = {name: None if fn is None else
+                           (lambda fn=fn, ins=(q, k, v) if name == "tritonformer-plain" else leaves:
+                            torch.autograd.grad(fn(), ins, do)) for name, fn in providers.items()}
+                return Bench(peers.available(fwd_bwd), reference=reference if small else None)
+
+            flops = _attention_flops(B, H, S, D, True)
+            flops = flops if mode == "fwd" else int(flops * 3.5)
+            title = "forward" if mode == "fwd" else "forward+backward"
+            label = "softcap 50" if family == "gemma2" else "sinks"
+            cases.append(BenchCase("attention", mode, dtype, f"B{B}xH{H}/{H_kv}xS{S}xD{D}-causal-{label}", S, setup,
+                                   flops=flops, plot=f"{title} causal bf16, {label}", quick=quick, compare="norm"))
+    return cases
 
 
 def _varlen_bench_cases() -> list[BenchCase]:

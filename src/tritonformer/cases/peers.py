@@ -41,3 +41,12 @@ def liger() -> Any | None:
     import liger_kernel.ops
 
     return liger_kernel.ops
+
+
+def hf_eager_attention(family: str) -> Callable | None:
+    """transformers' eager attention function of a model family (Gemma 2's softcap, GPT-OSS's
+    sinks), the path HF runs for what SDPA does not take; None without transformers."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return module.eager_attention_forward
