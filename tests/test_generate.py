@@ -17,9 +17,10 @@ from conftest import gpu_only
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
-# Each family's config class and what its tiny model sets beyond the common sizes: Mistral and
-# Mixtral a window shorter than the prompt plus its new tokens; the mixtures of experts few small
-# experts (Qwen2-MoE a shared one too).
+# Each family's config class and what its tiny model sets beyond the common sizes: Mistral, Mixtral
+# and the Gemmas a window shorter than the prompt plus its new tokens (Gemma 2 and 3 on alternate
+# layers); the mixtures of experts few small experts (Qwen2-MoE a shared one too); Gemma 2 caps low
+# enough to bite on a tiny model's logits.
 CONFIGS = {
     "llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=9)),
     "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {}),
@@ -29,7 +30,12 @@ CONFIGS = {
                                          num_experts_per_tok=2)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=9)),
     "olmoe": ("OlmoeConfig", dict(num_experts=6, num_experts_per_tok=3)),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", dict(sliding_window=9, attn_logit_softcapping=0.5, final_logit_softcapping=0.3)),
+    "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=9, layer_types=["sliding_attention", "full_attention"])),
 }
+# HF's SDPA path drops Gemma 2's attention softcap: its eager attention is the model as trained.
+EAGER_REFERENCE = ("gemma2",)
 
 
 def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
@@ -40,7 +46,8 @@ def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=32, **extra)
     sizes.update(overrides)
     config = getattr(transformers, name)(**sizes)
-    return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+    eager = {"attn_implementation": "eager"} if family in EAGER_REFERENCE else {}
+    return transformers.AutoModelForCausalLM.from_config(config, **eager).to(device=device, dtype=dtype).eval()
 
 
 def _ragged_prompt(device, lengths=(11, 7, 11, 3), pad=0):
@@ -232,12 +239,12 @@ def test_bad_arguments_are_named_before_any_work(device, kwargs, error, match, m
 
 
 def test_unsupported_models_and_inputs_are_refused(device):
-    gemma = transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(
+    phi3 = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32))
+        num_key_value_heads=1, pad_token_id=0))
     ids = torch.randint(0, VOCAB, (1, 4))
-    with pytest.raises(ValueError, match="model_type 'gemma'"):
-        decoding.generate(gemma, ids)
+    with pytest.raises(ValueError, match="model_type 'phi3'"):
+        decoding.generate(phi3, ids)
     model = _model("llama", device=device)
     with pytest.raises(TypeError, match="LongTensor"):
         decoding.generate(model, ids.float().to(device))

@@ -35,19 +35,32 @@ from .ops.swiglu import swiglu
 @dataclass(frozen=True)
 class Family:
     """What a decode step needs to know of a Llama-family decoder layer (pre-norm attention, then
-    an MLP): q_norm "head" normalises q and k per head before rope (Qwen3), "whole" each whole
-    projection (OLMoE); moe: the MLP is a mixture of experts, run as the model's own module (its
-    router and experts: ours when patched); config_window: the window is the config's
-    sliding_window (else the attention module's, set on its sliding layers only)."""
+    an MLP): q_norm "head" normalises q and k per head before rope (Qwen3, Gemma 3), "whole" each
+    whole projection (OLMoE); moe: the MLP is a mixture of experts, run as the model's own module
+    (its router and experts: ours when patched); mlp_module: the dense MLP runs as the model's
+    module too (Gemma's GeGLU); config_window: the window is the config's sliding_window (else the
+    attention module's, set on its sliding layers only); norm_offset, norm_eps: the RMSNorm's
+    (1 + weight) offset and eps attribute (Gemma's); sandwich: norms after the attention and the
+    MLP too, before their residual adds (Gemma 2 and 3: post_attention_layernorm, then
+    pre_feedforward_layernorm after the add, and post_feedforward_layernorm); rope_per_layer_type:
+    the rotary module makes a table per layer type (Gemma 3's local and global)."""
     q_norm: str | None = None
     moe: bool = False
+    mlp_module: bool = False
     config_window: bool = False
+    norm_offset: float = 0.0
+    norm_eps: str = "variance_epsilon"
+    sandwich: bool = False
+    rope_per_layer_type: bool = False
 
 
+GEMMA = dict(norm_offset=1.0, norm_eps="eps", mlp_module=True)
 FAMILIES = {
     "llama": Family(), "mistral": Family(config_window=True), "qwen2": Family(), "qwen3": Family(q_norm="head"),
     "qwen3_moe": Family(q_norm="head", moe=True), "qwen2_moe": Family(moe=True),
     "mixtral": Family(moe=True, config_window=True), "olmoe": Family(q_norm="whole", moe=True, config_window=True),
+    "gemma": Family(**GEMMA), "gemma2": Family(**GEMMA, sandwich=True),
+    "gemma3_text": Family(**GEMMA, q_norm="head", sandwich=True, rope_per_layer_type=True),
 }
 # Rotary tables that depend on the positions alone (others rescale with the sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,10 +77,13 @@ def unsupported(model: torch.nn.Module) -> str | None:
     if model_type not in FAMILIES:
         return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+    # Gemma 3's parameters are per layer type: each table's.
+    per_type = bool(rope) and all(isinstance(params, dict) for params in rope.values())
+    for params in rope.values() if per_type else (rope,):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in STATIC_ROPE_TYPES:
+            return f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
+    if not FAMILIES[model_type].mlp_module and getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {config.hidden_act!r} is not SiLU"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in HEAD_DIMS:
@@ -138,9 +154,6 @@ class Sampling:
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float]:
-    """An HF RMSNorm's (weight, eps)."""
-    return module.weight, module.variance_epsilon
 
 
 class _Decoder:
@@ -157,6 +170,8 @@ class _Decoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.family = FAMILIES[config.model_type]
+        # Gemma 2's final-logit softcapping, before the pick.
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.windows = [self._window(config, layer.self_attn, self.family) for layer in inner.layers]
         shape = (batch, self.kv_heads, capacity, self.head_dim)
@@ -210,38 +225,59 @@ class _Decoder:
         self.tokens.copy_(picked)
         self.step_index.add_(1)
 
+    def _norm(self, module: torch.nn.Module) -> tuple[torch.Tensor, float, float]:
+        """An HF RMSNorm's (weight, eps, offset), as rms_norm takes them."""
+        return module.weight, getattr(module, self.family.norm_eps), self.family.norm_offset
+
     def step(self) -> None:
         """One token a sequence: the model at self.tokens, the next token recorded."""
         B, H, Hkv, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        family, norm = self.family, self._norm
         model = self.model()
         inner = model.model
         x = inner.embed_tokens(self.tokens)
-        cos, sin = inner.rotary_emb(x, self.positions[:, None])
+        positions = self.positions[:, None]
+        if family.rope_per_layer_type:
+            tables = {kind: inner.rotary_emb(x, positions, kind) for kind in set(model.config.layer_types)}
+        else:
+            table = inner.rotary_emb(x, positions)
         mlp_out = residual = None
         for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
+            cos, sin = tables[attn.layer_type] if family.rope_per_layer_type else table
             if residual is None:
-                h, residual = rms_norm(x, *_norm(layer.input_layernorm)), x
+                h, residual = rms_norm(x, *norm(layer.input_layernorm)), x
             else:
-                h, residual = add_rms_norm(mlp_out, residual, *_norm(layer.input_layernorm))
+                h, residual = add_rms_norm(mlp_out, residual, *norm(layer.input_layernorm))
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
             if self.clip is not None:  # OLMoE's clip_qkv
                 q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-            if self.family.q_norm is not None:
-                view = self.family.q_norm == "head"
-                q = rms_norm(q.view(B, H, D) if view else q, *_norm(attn.q_norm))
-                k = rms_norm(k.view(B, Hkv, D) if view else k, *_norm(attn.k_norm))
+            if family.q_norm is not None:
+                view = family.q_norm == "head"
+                q = rms_norm(q.view(B, H, D) if view else q, *norm(attn.q_norm))
+                k = rms_norm(k.view(B, Hkv, D) if view else k, *norm(attn.k_norm))
             q, k = q.view(B, H, D), k.view(B, Hkv, D)
             q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
-            o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window)
+            # Gemma 2's softcapped logits.
+            o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window,
+                                 softcap=getattr(attn, "attn_logit_softcapping", None))
             o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
-            h, residual = add_rms_norm(o, residual, *_norm(layer.post_attention_layernorm))
-            if self.family.moe:
+            if family.sandwich:
+                o = rms_norm(o, *norm(layer.post_attention_layernorm))
+            h, residual = add_rms_norm(o, residual, *norm(layer.pre_feedforward_layernorm if family.sandwich
+                                                          else layer.post_attention_layernorm))
+            if family.moe:
                 mlp_out = mlp(h.view(B, 1, -1)).view(B, -1)
+            elif family.mlp_module:
+                mlp_out = mlp(h)
             else:
                 mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
-        h, _ = add_rms_norm(mlp_out, residual, *_norm(inner.norm))
+            if family.sandwich:
+                mlp_out = rms_norm(mlp_out, *norm(layer.post_feedforward_layernorm))
+        h, _ = add_rms_norm(mlp_out, residual, *norm(inner.norm))
         logits = model.lm_head(h).float()
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         self._record(self.sampling.pick(logits))
         self.positions.add_(1)
         self.lengths.add_(1)

@@ -95,7 +95,7 @@ class Family:
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
                  swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
                  add_norm: bool = True, moe: bool = False, float32_routing: bool = False, norm: bool = True,
-                 rope: bool = True, router_scoring: str = "softmax"):
+                 rope: bool = True, router_scoring: str = "softmax", qk_norm_after_transpose: bool = False):
         self.name, self.prefix = name, prefix
         # norm, rope: whether the family's RMSNorm and its apply_rotary_pos_emb are the ones ours
         # compute (GPT-OSS's are not: the weight multiplied before the cast, rotation by halves of
@@ -114,9 +114,12 @@ class Family:
         # add, post_attention_layernorm, MLP, residual add).
         self.add_norm = add_norm
         # qkv_rope: the attention module's forward is Llama's (projections, rope, attention,
-        # o_proj); sliding_window: where that forward reads the window it passes to the attention
-        # function ("config", "module" or None).
+        # o_proj); sliding_window: where the attention forward (ours or HF's) reads the window it
+        # passes to the attention function ("config", "module" or None: no window).
         self.qkv_rope, self.sliding_window = qkv_rope, sliding_window
+        # qk_norm_after_transpose: q and k are normalised as (B, H, S, D) views (Gemma 3), so rope
+        # gets them heads-major and contiguous (Qwen3 and OLMoE normalise (B, S, H, D) first).
+        self.qk_norm_after_transpose = qk_norm_after_transpose
 
     @functools.cached_property
     def module(self) -> types.ModuleType:
@@ -131,20 +134,29 @@ FAMILIES = {
     "mistral": Family("mistral", "Mistral", sliding_window="config"),
     "qwen2": Family("qwen2", "Qwen2", sliding_window="module"),
     # Qwen3 normalises q and k per head between the projections and rope.
-    "qwen3": Family("qwen3", "Qwen3", qkv_rope=False),
+    "qwen3": Family("qwen3", "Qwen3", qkv_rope=False, sliding_window="module"),
     "gemma": Family("gemma", "Gemma", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False),
+    # Gemma 2: softcapped attention logits and final logits (attention's and the fused loss's
+    # softcap), alternating sliding windows, a norm before and after the attention and the MLP
+    # each (no residual add before a norm: HF's decoder layer), a GeGLU MLP (HF's).
+    "gemma2": Family("gemma2", "Gemma2", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False,
+                     sliding_window="module", add_norm=False),
+    # Gemma 3 (text): Gemma 2's layer with q and k norms, local and global rope tables (HF's
+    # rotary module makes both), no softcaps by default.
+    "gemma3_text": Family("gemma3", "Gemma3", norm_eps="eps", norm_offset=1.0, swiglu_mlp=False, qkv_rope=False,
+                          sliding_window="module", add_norm=False, qk_norm_after_transpose=True),
     # Mixtures of experts: the experts run moe_experts (experts_implementation="tritonformer").
-    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", qkv_rope=False, moe=True),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", qkv_rope=False, moe=True, sliding_window="module"),
     "qwen2_moe": Family("qwen2_moe", "Qwen2Moe", moe=True),  # windows come as HF's mask
     "mixtral": Family("mixtral", "Mixtral", swiglu_mlp=False, sliding_window="config", moe=True,
                       float32_routing=True),
     # OLMoE normalises the whole q and k projections between them and rope.
-    "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True),
+    "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True, sliding_window="config"),
     # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts),
     # attention (with sinks) and loss are ours; its norms, rope and decoder layer (the MLP returns
     # the router's scores too) stay HF's (docs/moe.md, "GPT-OSS").
     "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True, norm=False,
-                      rope=False, router_scoring="topk_softmax"),
+                      rope=False, router_scoring="topk_softmax", sliding_window="module"),
 }
 
 
@@ -299,6 +311,8 @@ def _attention_forward(hf_forward, family: Family):
             kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
         elif family.sliding_window == "module":
             kwargs["sliding_window"] = self.sliding_window
+        if getattr(self, "attn_logit_softcapping", None) is not None:  # Gemma 2
+            kwargs["softcap"] = self.attn_logit_softcapping
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                    family.module.eager_attention_forward)
         out, weights = attention_function(self, q, k, v, attention_mask,
@@ -416,10 +430,12 @@ def _rotary_forward(hf_forward):
     inverse frequencies stay the same tensor (rope types whose frequencies never change)."""
 
     @functools.wraps(hf_forward)
-    def forward(self, x, position_ids):
-        if (torch.compiler.is_compiling() or getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES
+    def forward(self, x, position_ids, *args, **kwargs):
+        # Gemma 3's tables per layer type (a third argument) are HF's to make.
+        if (args or kwargs or torch.compiler.is_compiling()
+                or getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES
                 or position_ids is not _default_positions_like(position_ids)):
-            return hf_forward(self, x, position_ids)
+            return hf_forward(self, x, position_ids, *args, **kwargs)
         key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
         # One entry per positions tensor (per sequence length), kept while the model lives: a
         # CUDA graph of a step at one length reads its tables at their addresses even after
@@ -517,15 +533,23 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
         runtime.warm(qkv_rope, x, *(like(p.weight) for p in projections), cos, sin, *(like(p.bias) for p in projections))
+    elif family.rope and family.qk_norm_after_transpose:
+        runtime.warm(apply_rope, activation(batch, heads, seq, head_dim), activation(batch, kv_heads, seq, head_dim),
+                     cos, sin)
     elif family.rope:
         runtime.warm(apply_rope, heads_view(heads), heads_view(kv_heads), cos, sin)
-    # nn.attention_forward's call, when it is the model's attention; a window shorter than the
-    # sequence goes to SDPA with HF's mask.
-    sliding = {"config": getattr(config, "sliding_window", None),
-               "module": getattr(attention, "sliding_window", None)}.get(family.sliding_window)
-    if config._attn_implementation == ATTENTION_NAME and (sliding is None or sliding >= seq):
-        window = None if sliding is None else sliding - 1
-        sinks = getattr(attention, "sinks", None)
+    # nn.attention_forward's calls, when it is the model's attention: one per kind of layer
+    # (sliding and full ones alternate in Gemma 2 and 3); a window shorter than the sequence goes
+    # to HF's mask instead where the attention is not handed the window (attention_mask).
+    def sliding_window(module):
+        return {"config": getattr(config, "sliding_window", None),
+                "module": getattr(module, "sliding_window", None)}.get(family.sliding_window)
+
+    slidings = {sliding_window(layer.self_attn) for layer in model.model.layers}
+    windows = {None if w is None else w - 1 for w in slidings
+               if w is None or w >= seq or config.model_type in WINDOW_TO_ATTENTION}
+    sinks = getattr(attention, "sinks", None)
+    for window in windows if config._attn_implementation == ATTENTION_NAME else ():
         runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
                      attention.scaling, window, softcap=getattr(attention, "attn_logit_softcapping", None),
                      sinks=None if sinks is None else like(sinks))
@@ -570,7 +594,8 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     # The weight's gradient is a cuBLAS product (no kernel of ours): its stand-in needs none, and
     # the warm-up allocates no (vocab, hidden) buffer.
     runtime.warm(fused_linear_cross_entropy, activation(batch * seq, hidden_size), like(model.lm_head.weight, False),
-                 target, like(model.lm_head.bias, False), IGNORE_INDEX)
+                 target, like(model.lm_head.bias, False), IGNORE_INDEX,
+                 softcap=getattr(config, "final_logit_softcapping", None))
 
 
 def _causal_lm_forward(hf_forward, family: Family):
@@ -633,8 +658,10 @@ def _causal_lm_forward(hf_forward, family: Family):
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
+        # Gemma 2's final-logit softcapping, inside the fused loss.
         loss = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
-                                          ignore_index, num_items_in_batch=num_items_in_batch)
+                                          ignore_index, num_items_in_batch=num_items_in_batch,
+                                          softcap=getattr(self.config, "final_logit_softcapping", None))
         extra = dict(aux_loss=None, router_logits=None) if family.moe else {}
         if router_logits:
             extra["router_logits"] = outputs.router_logits
@@ -652,21 +679,55 @@ def _causal_lm_forward(hf_forward, family: Family):
 
 # ---- registration ----
 
+# The families whose attention modules hand the attention function their sliding window (all
+# of ours with windows but Qwen2-MoE, whose windows come as HF's mask alone).
+WINDOW_TO_ATTENTION = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe",
+                       "gpt_oss")
+
+
+def _closure(fn, name: str):
+    """The value a closure `fn` holds under `name`, or None."""
+    names, cells = getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()
+    return cells[names.index(name)].cell_contents if name in names else None
+
+
+def _is_sliding_causal(mask_function, window: int) -> bool:
+    """Whether an HF mask function is exactly masking_utils' sliding-window causal mask of
+    `window` keys: and_masks(sliding_window_overlay(window), causal_mask_function), nothing more
+    (a packed batch's mask adds a function). Read from the closures; anything else, HF's mask."""
+    from transformers.masking_utils import causal_mask_function
+
+    parts = _closure(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return False
+    overlay = parts[0]
+    return (getattr(overlay, "__qualname__", "").startswith("sliding_window_overlay.")
+            and _closure(overlay, "sliding_window") == window)
+
+
 def attention_mask(**kwargs) -> torch.Tensor | None:
     """The mask interface of attn_implementation="tritonformer". None (our kernel's causal mask,
     aligned bottom-right) for a causal mask without padding whose queries end at the last key,
     whatever HF's tracing state: HF's SDPA mask builds the full (S, S) mask while a CUDA graph
-    captures or torch.compile traces. HF's SDPA mask otherwise, made explicit where HF skipped it
-    because SDPA aligns a causal mask top-left: queries that start at 0 of a longer cache (a
-    static cache's prefill) need the keys after them hidden (docs/training.md)."""
+    captures or torch.compile traces; also for HF's sliding-window causal mask, in the families
+    whose attention gets the window as an argument (WINDOW_TO_ATTENTION). HF's SDPA mask otherwise,
+    made explicit where HF skipped it because SDPA aligns a causal mask top-left: queries that
+    start at 0 of a longer cache (a static cache's prefill) need the keys after them hidden
+    (docs/training.md)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     q_offset, q_length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs.get("kv_length")
     queries_end_at_last_key = (isinstance(q_offset, int) and kwargs.get("kv_offset", 0) == 0
                                and q_offset + q_length == kv_length)
-    if (queries_end_at_last_key and kwargs.get("mask_function") is causal_mask_function
-            and kwargs.get("attention_mask") is None and kwargs.get("allow_is_causal_skip", True)
-            and kwargs.get("local_size") is None):
+    window, mask_function = kwargs.get("local_size"), kwargs.get("mask_function")
+    if window is None:
+        ours = mask_function is causal_mask_function
+    else:
+        model_type = getattr(kwargs.get("config"), "model_type", None)
+        ours = (model_type in WINDOW_TO_ATTENTION and isinstance(window, int) and window > 0
+                and _is_sliding_causal(mask_function, window))
+    if (queries_end_at_last_key and ours and kwargs.get("attention_mask") is None
+            and kwargs.get("allow_is_causal_skip", True)):
         return None
     mask = sdpa_mask(**kwargs)
     if mask is None and q_length != kv_length and not queries_end_at_last_key:
@@ -844,6 +905,16 @@ def patch_gemma() -> None:
     _patch_family("gemma")
 
 
+def patch_gemma2() -> None:
+    """patch_gemma for Gemma 2 (softcapped attention and loss, HF's decoder layer)."""
+    _patch_family("gemma2")
+
+
+def patch_gemma3() -> None:
+    """patch_gemma for Gemma 3's text model (q and k norms, HF's attention forward)."""
+    _patch_family("gemma3_text")
+
+
 def unpatch_family(name: str) -> None:
     """Undo patch_<name>()."""
     if name not in FAMILIES:
@@ -877,8 +948,8 @@ def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
 
 
 def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None) -> torch.nn.Module:
-    """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Qwen3-MoE, Qwen2-MoE,
-    Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
+    """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 (text),
+    Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
     twice is harmless. attention=False keeps the model's attention implementation, and so does a
     head dim the attention kernels do not take (with a warning). MoE models' experts run
     moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, is ours, its norms and
