@@ -147,8 +147,8 @@ def sweep_loss():
         for chunk in (4096, 8192):
             x = x0.clone()  # the kernel overwrites the logits with their gradient
             f = lambda: ce._loss_and_grad_kernel[(rows,)](  # noqa: E731
-                x, target, loss, scale, V, 1, 0, -100, 0.0, 0.0, CHUNK=chunk, STAGES=ce.ROW_STAGES,
-                HAS_SMOOTHING=False, HAS_Z_LOSS=False, num_warps=warps)
+                x, target, loss, scale, V, 1, 0, -100, 0.0, 0.0, 1.0, CHUNK=chunk, STAGES=ce.ROW_STAGES,
+                HAS_SMOOTHING=False, HAS_Z_LOSS=False, SOFTCAP=False, TANH_APPROX=False, num_warps=warps)
             ms = do_bench(f, warmup=25, rep=200)
             print(f"loss warps {warps:2d} chunk {chunk}: {ms * 1e3:6.0f} us "
                   f"({3 * rows * V * 2 / ms / 1e9:5.2f} TB/s as 3 passes)", flush=True)

@@ -281,6 +281,26 @@ def test_sinks_follow_gpt_oss_eager_attention(dtype, device):
         assert_close(got, want, dtype, "norm")
 
 
+def test_strided_sinks_are_read_per_head(device):
+    """A (H,) view with stride 2 (every other entry of a parameter): the right sink per head in
+    attention and decode_attention, and the gradient reaches the parameter's entries."""
+    from tritonformer.ops.decode_attention import decode_attention, decode_attention_reference
+    q, k, v = _qkv(device, B=2, H=4, H_kv=2, S_q=9, S_k=9)
+    base = torch.randn(8, device=device).requires_grad_(True)
+    o = tf.attention(q, k, v, causal=True, sinks=base[::2])
+    leaves = _double_leaves(q, k, v, base)
+    ref = attention_reference(*leaves[:3], causal=True, sinks=leaves[3][::2])
+    assert_close(o, ref, torch.float32)
+    do = torch.randn_like(o)
+    (grad,) = torch.autograd.grad(o, base, do)
+    (ref_grad,) = torch.autograd.grad(ref, leaves[3], do.double())
+    assert_close(grad, ref_grad, torch.float32)
+    with torch.no_grad():
+        q1 = q.detach()[:, :, -1:]
+        assert_close(decode_attention(q1, k.detach(), v.detach(), sinks=base.detach()[::2]),
+                     decode_attention_reference(q1, k.detach(), v.detach(), sinks=base.detach()[::2]), torch.float32)
+
+
 def test_softcap_caps_the_logits_as_gemma2(device):
     """Gemma 2's eager attention (scale, cap with tanh, mask, softmax): outputs and gradients,
     with q scaled so that logits pass the cap; a cap far above every logit is plain attention."""

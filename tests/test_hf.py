@@ -386,8 +386,13 @@ def test_unsupported_family_is_named():
         hf.patch(model)
 
 
-def test_patched_training_step_compiles_without_graph_breaks(device):
-    model, reference = _models()
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", dict(sliding_window=4)),
+                                              ("gemma2", dict(sliding_window=4))])
+def test_patched_training_step_compiles_without_graph_breaks(family, overrides, device):
+    """Llama, and windows shorter than the sequence (Mistral's on every layer, Gemma 2's on every
+    other one, with its softcaps): no graph break, our attention kernel in the graph, HF's loss
+    and gradients; packed rows keep HF's mask."""
+    model, reference = _models(family, **overrides)
     model.to(device).train(), reference.to(device).train()
     ids = _ids(device)
 
@@ -482,6 +487,12 @@ def test_sliding_window_shorter_than_the_sequence_runs_our_kernel(family, device
         got, want = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
     assert_close(got[0, 3:], want[0, 3:].double(), torch.float32)
     assert_close(got[1], want[1].double(), torch.float32)
+    # A tokenizer's all-ones mask is no padding: our kernel again, on every layer.
+    calls = len(spy_attention)
+    with torch.no_grad():
+        got = model(ids, attention_mask=torch.ones_like(ids)).logits
+    assert len(spy_attention) == calls + 2
+    assert_close(got, reference(ids).logits.double(), torch.float32)
 
 
 def test_non_silu_mlp_keeps_hf_activation(device):

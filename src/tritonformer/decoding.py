@@ -43,7 +43,9 @@ class Family:
     (1 + weight) offset and eps attribute (Gemma's); sandwich: norms after the attention and the
     MLP too, before their residual adds (Gemma 2 and 3: post_attention_layernorm, then
     pre_feedforward_layernorm after the add, and post_feedforward_layernorm); rope_per_layer_type:
-    the rotary module makes a table per layer type (Gemma 3's local and global)."""
+    the rotary module makes a table per layer type (Gemma 3's local and global); attention_softcap:
+    the attention caps its logits at attn_logit_softcapping (Gemma 2's; Gemma 3's config has the
+    field, its attention ignores it)."""
     q_norm: str | None = None
     moe: bool = False
     mlp_module: bool = False
@@ -52,6 +54,7 @@ class Family:
     norm_eps: str = "variance_epsilon"
     sandwich: bool = False
     rope_per_layer_type: bool = False
+    attention_softcap: bool = False
 
 
 GEMMA = dict(norm_offset=1.0, norm_eps="eps", mlp_module=True)
@@ -59,7 +62,7 @@ FAMILIES = {
     "llama": Family(), "mistral": Family(config_window=True), "qwen2": Family(), "qwen3": Family(q_norm="head"),
     "qwen3_moe": Family(q_norm="head", moe=True), "qwen2_moe": Family(moe=True),
     "mixtral": Family(moe=True, config_window=True), "olmoe": Family(q_norm="whole", moe=True, config_window=True),
-    "gemma": Family(**GEMMA), "gemma2": Family(**GEMMA, sandwich=True),
+    "gemma": Family(**GEMMA), "gemma2": Family(**GEMMA, sandwich=True, attention_softcap=True),
     "gemma3_text": Family(**GEMMA, q_norm="head", sandwich=True, rope_per_layer_type=True),
 }
 # Rotary tables that depend on the positions alone (others rescale with the sequence length).
@@ -258,9 +261,8 @@ class _Decoder:
                 k = rms_norm(k.view(B, Hkv, D) if view else k, *norm(attn.k_norm))
             q, k = q.view(B, H, D), k.view(B, Hkv, D)
             q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
-            # Gemma 2's softcapped logits.
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window,
-                                 softcap=getattr(attn, "attn_logit_softcapping", None))
+                                 softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
             o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
             if family.sandwich:
                 o = rms_norm(o, *norm(layer.post_attention_layernorm))

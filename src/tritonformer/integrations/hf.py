@@ -685,32 +685,12 @@ WINDOW_TO_ATTENTION = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qw
                        "gpt_oss")
 
 
-def _closure(fn, name: str):
-    """The value a closure `fn` holds under `name`, or None."""
-    names, cells = getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()
-    return cells[names.index(name)].cell_contents if name in names else None
-
-
-def _is_sliding_causal(mask_function, window: int) -> bool:
-    """Whether an HF mask function is exactly masking_utils' sliding-window causal mask of
-    `window` keys: and_masks(sliding_window_overlay(window), causal_mask_function), nothing more
-    (a packed batch's mask adds a function). Read from the closures; anything else, HF's mask."""
-    from transformers.masking_utils import causal_mask_function
-
-    parts = _closure(mask_function, "mask_functions")
-    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
-        return False
-    overlay = parts[0]
-    return (getattr(overlay, "__qualname__", "").startswith("sliding_window_overlay.")
-            and _closure(overlay, "sliding_window") == window)
-
-
 def attention_mask(**kwargs) -> torch.Tensor | None:
     """The mask interface of attn_implementation="tritonformer". None (our kernel's causal mask,
     aligned bottom-right) for a causal mask without padding whose queries end at the last key,
     whatever HF's tracing state: HF's SDPA mask builds the full (S, S) mask while a CUDA graph
-    captures or torch.compile traces; also for HF's sliding-window causal mask, in the families
-    whose attention gets the window as an argument (WINDOW_TO_ATTENTION). HF's SDPA mask otherwise,
+    captures or torch.compile traces; also for HF's sliding-window causal mask without padding,
+    in the families whose attention gets the window as an argument (WINDOW_TO_ATTENTION). HF's SDPA mask otherwise,
     made explicit where HF skipped it because SDPA aligns a causal mask top-left: queries that
     start at 0 of a longer cache (a static cache's prefill) need the keys after them hidden
     (docs/training.md)."""
@@ -719,15 +699,23 @@ def attention_mask(**kwargs) -> torch.Tensor | None:
     q_offset, q_length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs.get("kv_length")
     queries_end_at_last_key = (isinstance(q_offset, int) and kwargs.get("kv_offset", 0) == 0
                                and q_offset + q_length == kv_length)
-    window, mask_function = kwargs.get("local_size"), kwargs.get("mask_function")
+    window, padding = kwargs.get("local_size"), kwargs.get("attention_mask")
     if window is None:
-        ours = mask_function is causal_mask_function
+        ours = kwargs.get("mask_function") is causal_mask_function and kwargs.get("allow_is_causal_skip", True)
+        no_padding = padding is None
     else:
-        model_type = getattr(kwargs.get("config"), "model_type", None)
-        ours = (model_type in WINDOW_TO_ATTENTION and isinstance(window, int) and window > 0
-                and _is_sliding_causal(mask_function, window))
-    if (queries_end_at_last_key and ours and kwargs.get("attention_mask") is None
-            and kwargs.get("allow_is_causal_skip", True)):
+        # HF's sliding-window causal mask: HF turns allow_is_causal_skip off (or passes it False)
+        # whenever it adds to the mask (packed sequences, blockwise or custom functions,
+        # bidirectional windows), and the window is the config's (no chunked attention here).
+        config = kwargs.get("config")
+        ours = (getattr(config, "model_type", None) in WINDOW_TO_ATTENTION
+                and kwargs.get("allow_is_causal_skip") is True and window == getattr(config, "sliding_window", None))
+        # A tokenizer's all-ones mask is no padding (HF skips it the same way for causal masks);
+        # looked at only where looking does not break a trace or a capture.
+        tracing = torch.compiler.is_compiling() or (padding is not None and padding.is_cuda
+                                                    and torch.cuda.is_current_stream_capturing())
+        no_padding = padding is None or (not tracing and bool(padding.all()))
+    if queries_end_at_last_key and ours and no_padding:
         return None
     mask = sdpa_mask(**kwargs)
     if mask is None and q_length != kv_length and not queries_end_at_last_key:

@@ -732,11 +732,13 @@ def kernel_softcap(softcap: float) -> float:
     return 1.0 if softcap == NO_SOFTCAP else softcap
 
 
-def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool, softcap: float) -> tuple:
+def _tune_key(q: torch.Tensor, S_q: int, S_k: int, causal: bool, window: int, varlen: bool, softcap: float,
+              sinks: bool = False) -> tuple:
     # Lengths change from call to call (varlen batches, generation): tune once per power-of-two
-    # bucket, not once per length.
+    # bucket, not once per length. Every constexpr variant has a key of its own: a warm-up of one
+    # variant must not find another's entry and skip its compile.
     S_q, S_k = runtime.next_power_of_2(S_q), runtime.next_power_of_2(S_k)
-    return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen, softcap != NO_SOFTCAP)
+    return (q.dtype, S_q, S_k, q.shape[-1], causal, window != NO_WINDOW, varlen, softcap != NO_SOFTCAP, sinks)
 
 
 def _descriptors_fit(lay: "_Layout", kernel: str, *tensors: torch.Tensor) -> bool:
@@ -911,7 +913,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     # Without sinks the kernel never reads its pointer: lse stands in.
     args = (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, lse if sinks is None else sinks, *scalars)
     kv_shape = (lay.B, lay.H_kv, lay.S_k, lay.D)
-    replay = _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen, softcap),
+    replay = _launch(_launch_fwd, _tune_key(q, lay.S_q, lay.S_k, causal, window, lay.varlen, softcap,
+                                            sinks is not None),
                      lambda meta: (runtime.cdiv(lay.S_q, meta["BLOCK_M"]) * lay.B * lay.H,), args,
                      dict(_constexprs(q, causal, window, lay.varlen, softcap), HAS_SINKS=sinks is not None),
                      ((1, 2), (kv_shape, kv_shape), "BLOCK_N") if _descriptors_fit(lay, "fwd", k, v) else None)
@@ -1188,6 +1191,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     max_seqlen below a real length silently leaves that sequence's later rows unwritten."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     scale, window, softcap = _check_inputs(q, k, v, causal, scale, window, varlen, softcap, sinks)
+    if sinks is not None and sinks.stride(0) != 1:  # the kernels read sinks[h] at sinks_ptr + h
+        sinks = sinks.contiguous()
     if varlen:
         _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > 65535:

@@ -318,6 +318,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     softcap = check_softcap(softcap)
     if sinks is not None:
         check_sinks(q, sinks, H)
+        sinks = sinks.contiguous()  # the kernels read sinks[h] at sinks_ptr + h
     S_max = k_cache.shape[2]
     if B == 0 or H == 0 or S_max == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format)
