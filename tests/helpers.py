@@ -26,3 +26,9 @@ def graph_nodes(t):
         names.append(type(node).__name__)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return names
+
+
+def reference_attention(family: str) -> dict:
+    """from_config's attention argument for HF's reference model of a family: HF's SDPA path drops
+    Gemma 2's attention softcap, so its eager attention is the model as trained."""
+    return {"attn_implementation": "eager"} if family == "gemma2" else {}

@@ -13,6 +13,7 @@ from tritonformer import decoding
 from tritonformer.integrations import hf
 
 from conftest import gpu_only
+from helpers import reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,8 +35,6 @@ CONFIGS = {
     "gemma2": ("Gemma2Config", dict(sliding_window=9, attn_logit_softcapping=0.5, final_logit_softcapping=0.3)),
     "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=9, layer_types=["sliding_attention", "full_attention"])),
 }
-# HF's SDPA path drops Gemma 2's attention softcap: its eager attention is the model as trained.
-EAGER_REFERENCE = ("gemma2",)
 
 
 def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
@@ -46,8 +45,8 @@ def _model(family="llama", dtype=torch.float32, device="cpu", **overrides):
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=32, **extra)
     sizes.update(overrides)
     config = getattr(transformers, name)(**sizes)
-    eager = {"attn_implementation": "eager"} if family in EAGER_REFERENCE else {}
-    return transformers.AutoModelForCausalLM.from_config(config, **eager).to(device=device, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, **reference_attention(family)).to(
+        device=device, dtype=dtype).eval()
 
 
 def _ragged_prompt(device, lengths=(11, 7, 11, 3), pad=0):

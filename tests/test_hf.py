@@ -11,7 +11,7 @@ from tritonformer.integrations import hf
 from tritonformer.testing import assert_close, check_close
 
 from conftest import ON_GPU, gpu_only
-from helpers import graph_nodes
+from helpers import graph_nodes, reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,14 +38,10 @@ def _config(family: str, **overrides):
     return configs[family](**common)
 
 
-# HF's SDPA path drops Gemma 2's attention softcap: its eager attention is the model as trained.
-EAGER_REFERENCE = ("gemma2",)
-
-
 def _models(family="llama", dtype=torch.float32, **overrides):
     """(patched, unpatched) copies of one freshly initialised model."""
-    eager = {"attn_implementation": "eager"} if family in EAGER_REFERENCE else {}
-    model = transformers.AutoModelForCausalLM.from_config(_config(family, **overrides), **eager).to(dtype)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, **overrides),
+                                                          **reference_attention(family)).to(dtype)
     reference = copy.deepcopy(model)
     return hf.patch(model), reference
 

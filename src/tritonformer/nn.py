@@ -297,8 +297,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         else:
             out = _masked_attention(query, key, value, mask, scaling, **extras)
     elif (causal and 1 <= query.shape[2] <= decode.MAX_QUERIES and query.shape[2] < key.shape[-2]
-          and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                   for t in (query, key, value, extras["sinks"])))):
+          and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                                or (extras["sinks"] is not None and extras["sinks"].requires_grad)))):
         # A decode step against a KV cache: the G query heads of a KV head read its keys once,
         # over splits of the cache (ops/decode_attention.py).
         out = decode.decode_attention(query, key, value, None, scaling, window, **extras)

@@ -49,8 +49,8 @@ What is swapped, per family (FAMILIES):
   with `num_items_in_batch` as HF's ForCausalLMLoss does; the fused loss is float32 as HF's
   is, the unfused one (eval, LoRA on lm_head) in the logits' dtype;
 - generation: `model.generate(...)` runs `tritonformer.generate` (static KV cache, decode
-  attention, the decode step as one CUDA graph) for the families it decodes (all but Gemma and
-  GPT-OSS) when every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
+  attention, the decode step as one CUDA graph) for the families it decodes (all but GPT-OSS)
+  when every argument is one it implements (greedy or temperature / top-k / top-p sampling, eos and
   pad ids, max_new_tokens or max_length, an attention mask); any other argument, processor or
   output option goes to HF's own generate (logged at debug level).
 """
@@ -545,9 +545,10 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         return {"config": getattr(config, "sliding_window", None),
                 "module": getattr(module, "sliding_window", None)}.get(family.sliding_window)
 
+    # Every window reaches the kernel: the attention is handed it, and the mask interface leaves
+    # HF's sliding mask out (attention_mask).
     slidings = {sliding_window(layer.self_attn) for layer in model.model.layers}
-    windows = {None if w is None else w - 1 for w in slidings
-               if w is None or w >= seq or config.model_type in WINDOW_TO_ATTENTION}
+    windows = {None if w is None else w - 1 for w in slidings}
     sinks = getattr(attention, "sinks", None)
     for window in windows if config._attn_implementation == ATTENTION_NAME else ():
         runtime.warm(attention_op.attention, heads_view(heads), heads_view(kv_heads), heads_view(kv_heads), True,
@@ -679,21 +680,15 @@ def _causal_lm_forward(hf_forward, family: Family):
 
 # ---- registration ----
 
-# The families whose attention modules hand the attention function their sliding window (all
-# of ours with windows but Qwen2-MoE, whose windows come as HF's mask alone).
-WINDOW_TO_ATTENTION = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe",
-                       "gpt_oss")
-
-
 def attention_mask(**kwargs) -> torch.Tensor | None:
     """The mask interface of attn_implementation="tritonformer". None (our kernel's causal mask,
     aligned bottom-right) for a causal mask without padding whose queries end at the last key,
     whatever HF's tracing state: HF's SDPA mask builds the full (S, S) mask while a CUDA graph
     captures or torch.compile traces; also for HF's sliding-window causal mask without padding,
-    in the families whose attention gets the window as an argument (WINDOW_TO_ATTENTION). HF's SDPA mask otherwise,
-    made explicit where HF skipped it because SDPA aligns a causal mask top-left: queries that
-    start at 0 of a longer cache (a static cache's prefill) need the keys after them hidden
-    (docs/training.md)."""
+    in the families whose attention gets the window as an argument (Family.sliding_window set;
+    Qwen2-MoE's windows come as HF's mask alone). HF's SDPA mask otherwise, made explicit where HF
+    skipped it because SDPA aligns a causal mask top-left: queries that start at 0 of a longer
+    cache (a static cache's prefill) need the keys after them hidden (docs/training.md)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     q_offset, q_length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs.get("kv_length")
@@ -708,7 +703,8 @@ def attention_mask(**kwargs) -> torch.Tensor | None:
         # whenever it adds to the mask (packed sequences, blockwise or custom functions,
         # bidirectional windows), and the window is the config's (no chunked attention here).
         config = kwargs.get("config")
-        ours = (getattr(config, "model_type", None) in WINDOW_TO_ATTENTION
+        family = FAMILIES.get(getattr(config, "model_type", None))
+        ours = (family is not None and family.sliding_window is not None
                 and kwargs.get("allow_is_causal_skip") is True and window == getattr(config, "sliding_window", None))
         # A tokenizer's all-ones mask is no padding (HF skips it the same way for causal masks);
         # looked at only where looking does not break a trace or a capture.

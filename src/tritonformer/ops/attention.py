@@ -284,6 +284,12 @@ def _stream_tile(src, b, h, start, offs_r, offs_d, stride_r, stride_d, n_rows, R
     return x
 
 
+def tanh_approx(dtype: torch.dtype) -> bool:
+    """tanh's APPROX for inputs of `dtype`: MUFU's on a GPU, except for float32, the precision
+    path, which gets tanh to float32's precision (and so does the interpreter, which runs no PTX)."""
+    return runtime.COMPILED and dtype != torch.float32
+
+
 @triton.jit
 def tanh(x, APPROX: tl.constexpr):
     """tanh(x). APPROX: one MUFU.TANH (tanh.approx.f32, relative error 2^-11, under a 16-bit
@@ -301,6 +307,15 @@ def tanh(x, APPROX: tl.constexpr):
         small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
         y = tl.where(ax < 0.125, small, tl.where(x < 0, -big, big))
     return y
+
+
+@triton.jit
+def add_sink(acc, l_i, m_i, sink2):
+    """(acc, l, m) of an online softmax with the sink's base-2 logit added to the denominator: one
+    more term, with no value (docs/attention.md, "Sinks")."""
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink2 - m_new), m_new
 
 
 @triton.jit
@@ -525,13 +540,7 @@ def _attention_fwd_kernel(
                                 BLOCK_N, HEAD_D, BLOCK_D, DESCRIPTORS)
 
     if HAS_SINKS:
-        # The sink: one more logit in the denominator, with no value (docs/attention.md, "Sinks").
-        sink2 = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
-        m_new = tl.maximum(m_i, sink2)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634)
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
     o = acc / l_div[:, None]
@@ -718,8 +727,7 @@ def _attention_bwd_dq_kernel(
 def _constexprs(q: torch.Tensor, causal: bool, window: int, varlen: bool, softcap: float) -> dict:
     D = q.shape[-1]
     return dict(HEAD_D=D, CAUSAL=causal, WINDOW=window != NO_WINDOW, VARLEN=varlen, SOFTCAP=softcap != NO_SOFTCAP,
-                # float32 is the precision path: its tanh to float32's precision, not MUFU's 2^-11.
-                TANH_APPROX=runtime.COMPILED and q.dtype != torch.float32,
+                TANH_APPROX=tanh_approx(q.dtype),
                 UPCAST=runtime.INTERPRET and q.dtype == torch.bfloat16,
                 # Causal: two programs per SM in a head group (see _grouped_block); otherwise
                 # every block costs the same and one head at a time keeps the most in L2.

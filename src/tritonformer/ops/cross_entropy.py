@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .attention import NO_SOFTCAP, check_softcap, kernel_softcap, tanh
+from .attention import NO_SOFTCAP, check_softcap, kernel_softcap, tanh, tanh_approx
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -299,9 +299,8 @@ def _row_launch(V: int, row_chunk: int = ROW_CHUNK) -> dict:
 
 
 def _flags(label_smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype) -> dict:
-    # float32 logits are the precision path: tanh to float32's precision, not MUFU's 2^-11.
     return {"HAS_SMOOTHING": label_smoothing != 0.0, "HAS_Z_LOSS": z_loss != 0.0, "SOFTCAP": softcap != NO_SOFTCAP,
-            "TANH_APPROX": runtime.COMPILED and dtype != torch.float32}
+            "TANH_APPROX": tanh_approx(dtype)}
 
 
 def _row_losses(x, target, loss, stats, ignore_index, label_smoothing, z_loss, softcap) -> None:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .attention import LOG2E, NO_SOFTCAP, check_sinks, check_softcap, kernel_softcap, tanh
+from .attention import LOG2E, NO_SOFTCAP, add_sink, check_sinks, check_softcap, kernel_softcap, tanh, tanh_approx
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -127,10 +127,7 @@ def _decode_split_kernel(
 
     if HAS_SINKS and SPLITS == 1:
         sink2 = tl.load(sinks_ptr + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_new = tl.maximum(m_i, sink2)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
-        acc = acc * alpha[:, None]
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
     has_key = l_i > 0.0
     l_div = tl.where(has_key, l_i, 1.0)
     o = acc / l_div[:, None]
@@ -241,7 +238,7 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     splits = max(1, runtime.cdiv(S_max, split_len))
     out, part_o, part_lse, lens = _buffers(q, seq_lens, splits)
     consts = dict(S_Q=S_q, GROUP=group, HEAD_D=D, HAS_LENS=seq_lens is not None, WINDOW=window >= 0,
-                  SOFTCAP=softcap != NO_SOFTCAP, TANH_APPROX=runtime.COMPILED and q.dtype != torch.float32,
+                  SOFTCAP=softcap != NO_SOFTCAP, TANH_APPROX=tanh_approx(q.dtype),
                   HAS_SINKS=sinks is not None, SPLITS=splits, UPCAST=runtime.INTERPRET,
                   INPUT_PRECISION=runtime.input_precision(q.dtype),
                   BLOCK_M=block_m, BLOCK_N=_block_n(D), BLOCK_D=runtime.next_power_of_2(D))
