@@ -366,9 +366,12 @@ def _changed(args: dict, changes: dict) -> dict:
 
 
 def _bad(**changes):
+    """Arguments with `changes`; a new tensor made on the CPU (the sinks) goes to the test's device."""
     def make(device):
         q, k, v = _qkv(device, H=4, H_kv=2, grad=False)
-        return _changed(dict(q=q, k=k, v=v), changes)
+        on_device = {name: value.to(device) if isinstance(value, torch.Tensor) and value.device.type == "cpu"
+                     else value for name, value in changes.items()}
+        return _changed(dict(q=q, k=k, v=v), on_device)
     return make
 
 
