@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .cases import add, attention, cross_entropy, matmul, moe, norm, rope, scaled_matmul, softmax, swiglu
+from .cases import (add, attention, cross_entropy, decode_linear, matmul, moe, norm, rope, scaled_matmul, softmax,
+                    swiglu)
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
@@ -19,6 +20,9 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     rope.SPEC,
     rope.QKV_SPEC,
     rope.INTO_CACHE_SPEC,
+    decode_linear.LINEAR_SPEC,
+    decode_linear.SWIGLU_SPEC,
+    decode_linear.ARGMAX_SPEC,
     cross_entropy.SPEC,
     cross_entropy.FUSED_LINEAR_SPEC,
     scaled_matmul.SPEC,

@@ -1,0 +1,85 @@
+"""GPU time of decode_linear / decode_swiglu over launch configs, timed in a CUDA graph (no host
+time): a decode step's products of the e2e model (or Llama-3-8B) with their norms as the decode
+step runs them. On the GPU machine:
+
+    PYTHONPATH=src python3 scripts/sweep_decode_linear.py [--model e2e|llama3-8b] [--rows 1]
+        [--configs BNxBK:wW:sS,...] [--shapes qkv,o,gate_up,down]
+
+Prints each config's time and weight bytes a second, and the best per shape.
+"""
+
+import argparse
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+DEFAULT_CONFIGS = ",".join(f"{bn}x{bk}:w{w}:s{s}" for bn in (4, 8, 16, 32) for bk in (512, 1024)
+                           for w, s in ((4, 3), (8, 3), (4, 5)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="e2e")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--shapes", default="qkv,o,gate_up,down")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_decode_linear.py times kernels on a CUDA GPU")
+    from tritonformer.bench.generate import MODELS
+    from tritonformer.ops import decode_linear as dl
+
+    m = MODELS[a.model]
+    h, i, kv = m["hidden"], m["intermediate"], m["kv_heads"] * m["hidden"] // m["heads"]
+    dev, dt = "cuda", torch.bfloat16
+
+    def weights(*shapes):
+        return [torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for n, k in shapes]
+
+    x, r, x_i = (torch.randn(a.rows, n, device=dev, dtype=dt) for n in (h, h, i))
+    norm = (torch.ones(h, device=dev, dtype=dt), 1e-6, 0.0)
+    cases = {
+        "qkv": (lambda w: dl.decode_linear(x, w, norm=norm, residual=r), weights((h, h), (kv, h), (kv, h))),
+        "o": (lambda w: dl.decode_linear(x, w), weights((h, h))),
+        "gate_up": (lambda w: dl.decode_swiglu(x, *w, norm=norm, residual=r), weights((i, h), (i, h))),
+        "down": (lambda w: dl.decode_linear(x_i, w), weights((h, i))),
+    }
+    launcher = dl._launch
+    configs = []
+    for item in a.configs.split(","):
+        tile, w, s = item.split(":")
+        bn, bk = map(int, tile.split("x"))
+        configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "LOOP_STAGES": int(s[1:])},
+                                     num_warps=int(w[1:]), num_stages=int(s[1:])))
+    original = launcher.autotuned.configs
+    for name in a.shapes.split(","):
+        run, ws = cases[name]
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        launcher.autotuned.configs = original
+        launcher.chosen.clear()
+        run(ws)
+        tuned = next(iter(launcher.chosen.values()))
+        rows = []
+        for c in [None] + configs:
+            if c is not None:
+                launcher.autotuned.configs = [c]
+                launcher.chosen.clear()
+            try:
+                run(ws)
+                us = do_bench_cudagraph(lambda: run(ws), rep=20) * 1e3
+            except Exception as e:  # noqa: BLE001 - a config that fails is a row
+                print(f"{name:8s} {c} FAILED {type(e).__name__}", flush=True)
+                continue
+            label = "tuned " + str({k: v for k, v in tuned.items() if k in ("BLOCK_N", "BLOCK_K", "num_warps",
+                                                                             "num_stages")}) if c is None else \
+                f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}:w{c.num_warps}:s{c.num_stages}"
+            rows.append((us, label))
+            print(f"{name:8s} {label:60s} {us:7.2f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
+        best = min(rows)
+        print(f"best {name:8s} {best[1]:40s} {best[0]:7.2f} us {nbytes / best[0] / 1e6:6.2f} TB/s "
+              f"({nbytes / 4.25e6:.1f} us at 4.25 TB/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

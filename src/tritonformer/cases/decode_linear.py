@@ -1,0 +1,199 @@
+"""Cases of `decode_linear` and `decode_swiglu` (a decode step's products) and of `argmax` (its
+greedy pick): odd sizes, 1 to 16 rows, biases, strided inputs and every float dtype for the
+tests; for the benchmark the products of the e2e model and of Llama-3-8B at 1 and 16 rows, and
+argmax over Llama-3's 128k vocabulary, against cuBLAS through torch (one launch per weight),
+torch.compile and torch.argmax."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..ops.argmax import argmax, argmax_reference
+from ..ops.decode_linear import decode_linear, decode_linear_reference, decode_swiglu, decode_swiglu_reference
+from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
+from . import peers
+
+
+def _norm(norm_weight, eps, offset):
+    return None if norm_weight is None else (norm_weight, eps, offset)
+
+
+def decode_linear_outputs(x, residual, norm_weight, *weights_then_biases, weights: int, eps=1e-6, offset=0.0):
+    """decode_linear with flat arguments (the registry tests cast each tensor argument)."""
+    return decode_linear(x, weights_then_biases[:weights], weights_then_biases[weights:],
+                         norm=_norm(norm_weight, eps, offset), residual=residual)
+
+
+def decode_linear_flat_reference(x, residual, norm_weight, *weights_then_biases, weights: int, eps=1e-6,
+                                 offset=0.0):
+    return decode_linear_reference(x, weights_then_biases[:weights], weights_then_biases[weights:],
+                                   norm=_norm(norm_weight, eps, offset), residual=residual)
+
+
+def decode_swiglu_outputs(x, residual, norm_weight, w_gate, w_up, eps=1e-6, offset=0.0):
+    return decode_swiglu(x, w_gate, w_up, norm=_norm(norm_weight, eps, offset), residual=residual)
+
+
+def decode_swiglu_flat_reference(x, residual, norm_weight, w_gate, w_up, eps=1e-6, offset=0.0):
+    return decode_swiglu_reference(x, w_gate, w_up, norm=_norm(norm_weight, eps, offset), residual=residual)
+
+
+def _norm_inputs(M, K, dtype, device, norm):
+    """(residual, norm weight) for norm None, "norm" (rms_norm of x) or "add" (of x + residual)."""
+    residual = torch.randn(M, K, device=device).to(dtype) if norm == "add" else None
+    weight = (1 + 0.3 * torch.randn(K, device=device)).to(dtype) if norm else None
+    return residual, weight
+
+
+def _inputs(M, K, Ns, dtype, device, biases=(), strided=False):
+    """x (M, K) and weights (N, K) scaled to unit outputs; biases for the weights listed; strided:
+    x a column slice of a wider tensor and the first weight with a non-unit column stride."""
+    x = torch.randn(M, K + 3 if strided else K, device=device).to(dtype)[:, :K]
+    ws = [(torch.randn(N, K, device=device) / K**0.5).to(dtype) for N in Ns]
+    if strided:
+        ws[0] = (torch.randn(K, Ns[0], device=device) / K**0.5).to(dtype).t()
+    bs = [torch.randn(N, device=device).to(dtype) if i in biases else None for i, N in enumerate(Ns)]
+    return x, ws, bs
+
+
+def decode_linear_test_cases() -> list[TestCase]:
+    def case(id, dtype, M, K, Ns, biases=(), strided=False, norm=None, offset=0.0, gpu_only=False):
+        def make(device):
+            x, ws, bs = _inputs(M, K, Ns, dtype, device, biases, strided)
+            return (x, *_norm_inputs(M, K, dtype, device, norm), *ws, *bs), dict(weights=len(ws), offset=offset)
+        return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only)
+
+    cases = []
+    for dt in runtime.FLOAT_DTYPES:
+        name = short_dtype(dt)
+        cases += [
+            case(f"{name}-1x100-qkv-37/16/7", dt, 1, 100, (37, 16, 7), biases=(0, 2)),
+            case(f"{name}-5x64-2-weights", dt, 5, 64, (48, 20), biases=(1,)),
+            case(f"{name}-16x130-1-weight", dt, 16, 130, (33,)),
+            case(f"{name}-1x100-rms-norm-qkv", dt, 1, 100, (37, 16, 7), biases=(1,), norm="norm"),
+            case(f"{name}-4x100-add-rms-norm-qkv", dt, 4, 100, (37, 16, 7), norm="add", offset=1.0),
+        ]
+    cases += [
+        case("bf16-strided-3x96", torch.bfloat16, 3, 96, (40, 8), strided=True),
+        case("fp32-strided-1x96", torch.float32, 1, 96, (40,), strided=True),
+        case("fp32-empty-weight", torch.float32, 2, 32, (0, 5)),
+        case("fp32-no-columns", torch.float32, 2, 0, (4, 3), biases=(0,)),
+        case("fp32-empty-weight-add-norm", torch.float32, 2, 32, (0,), norm="add"),
+        case("bf16-1x2048-e2e-qkv", torch.bfloat16, 1, 2048, (2048, 512, 512), norm="add", gpu_only=True),
+        case("bf16-16x4096-llama-qkv", torch.bfloat16, 16, 4096, (4096, 1024, 1024), biases=(0, 1, 2),
+             gpu_only=True),
+        case("fp16-7x14336-llama-down", torch.float16, 7, 14336, (4096,), gpu_only=True),
+    ]
+    return cases
+
+
+def decode_swiglu_test_cases() -> list[TestCase]:
+    def case(id, dtype, M, K, N, strided=False, norm=None, gpu_only=False):
+        def make(device):
+            x, (w_gate, w_up), _ = _inputs(M, K, (N, N), dtype, device, strided=strided)
+            return (x, *_norm_inputs(M, K, dtype, device, norm), w_gate, w_up), {}
+        return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only)
+
+    cases = [case(f"{short_dtype(dt)}-{M}x72-50", dt, M, 72, 50) for dt in runtime.FLOAT_DTYPES for M in (1, 9)]
+    cases += [case(f"{short_dtype(dt)}-{M}x72-50-{norm}", dt, M, 72, 50, norm=norm)
+              for dt in runtime.FLOAT_DTYPES for M, norm in ((1, "add"), (5, "norm"), (16, "add"))]
+    cases += [
+        case("bf16-strided-2x96-40", torch.bfloat16, 2, 96, 40, strided=True),
+        case("bf16-1x2048-8192-e2e", torch.bfloat16, 1, 2048, 8192, norm="add", gpu_only=True),
+        case("bf16-16x4096-14336-llama", torch.bfloat16, 16, 4096, 14336, gpu_only=True),
+    ]
+    return cases
+
+
+def argmax_test_cases() -> list[TestCase]:
+    def case(id, dtype, shape, ties=False, strided=False, gpu_only=False):
+        def make(device):
+            x = torch.randn(*shape[:-1], shape[-1] * (2 if strided else 1), device=device).to(dtype)
+            x = x[..., ::2] if strided else x
+            if ties:  # the largest value twice in a row, in different chunks, and a row of -inf
+                top = x.max() + 1
+                x[0, 1], x[0, -1] = top, top
+                x[-1] = -float("inf")
+            return (x,), {}
+        return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only, out_dtype=torch.int64,
+                        tolerance=torch.int32)
+
+    cases = [case(f"{short_dtype(dt)}-3x9000-ties", dt, (3, 9000), ties=True) for dt in runtime.FLOAT_DTYPES]
+    cases += [
+        case("fp32-2x5x37-strided", torch.float32, (2, 5, 37), strided=True),
+        case("bf16-1x1", torch.bfloat16, (1, 1)),
+        case("bf16-64x128256-llama3-vocab", torch.bfloat16, (64, 128256), gpu_only=True),
+    ]
+    return cases
+
+
+def _products_bench_cases() -> list[BenchCase]:
+    cases = []
+    shapes = [  # label, K, weights' N, swiglu
+        ("e2e qkv", 2048, (2048, 512, 512), False), ("e2e o", 2048, (2048,), False),
+        ("e2e gate/up", 2048, (8192, 8192), True), ("e2e down", 8192, (2048,), False),
+        ("llama3-8b qkv", 4096, (4096, 1024, 1024), False), ("llama3-8b gate/up", 4096, (14336, 14336), True),
+        ("llama3-8b down", 14336, (4096,), False), ("tiny qkv", 64, (64, 32, 32), False),
+        ("tiny gate/up", 64, (128, 128), True),
+    ]
+    for M in (1, 16):
+        for label, K, Ns, swiglu in shapes:
+            dtype = torch.bfloat16
+            quick = label.startswith("tiny")
+            if quick and M != 1:
+                continue
+
+            def setup(M=M, K=K, Ns=Ns, swiglu=swiglu, dtype=dtype):
+                x, ws, _ = _inputs(M, K, Ns, dtype, runtime.DEVICE)
+                if swiglu:
+                    ours, torch_fn, args = decode_swiglu, decode_swiglu_reference, (x, *ws)
+                else:
+                    ours, torch_fn, args = decode_linear, decode_linear_reference, (x, ws)
+                doubles = [t.double() if isinstance(t, torch.Tensor) else [w.double() for w in t] for t in args]
+                return Bench(peers.available({
+                    "tritonformer": lambda: ours(*args),
+                    "torch": lambda: torch_fn(*args),
+                    "torch.compile": peers.compiled(torch_fn, *args),
+                }), reference=lambda: torch_fn(*doubles))
+
+            op = "decode_swiglu" if swiglu else "decode_linear"
+            weight_bytes = K * sum(Ns) * dtype.itemsize
+            cases.append(BenchCase(op, "fwd", dtype, f"{M}x{label} {K}->{'+'.join(map(str, Ns))}", K * sum(Ns),
+                                   setup, bytes=weight_bytes, plot=f"{M} row{'s' if M > 1 else ''} bf16",
+                                   quick=quick))
+    return cases
+
+
+def decode_linear_bench_cases() -> list[BenchCase]:
+    return [c for c in _products_bench_cases() if c.op == "decode_linear"]
+
+
+def decode_swiglu_bench_cases() -> list[BenchCase]:
+    return [c for c in _products_bench_cases() if c.op == "decode_swiglu"]
+
+
+def argmax_bench_cases() -> list[BenchCase]:
+    cases = []
+    for B, V in ((1, 128256), (16, 128256), (64, 151936), (2, 1000)):
+        dtype = torch.bfloat16
+
+        def setup(B=B, V=V, dtype=dtype):
+            x = torch.randn(B, V, device=runtime.DEVICE).to(dtype)
+            return Bench(peers.available({
+                "tritonformer": lambda: argmax(x),
+                "torch": lambda: argmax_reference(x),
+                "torch float32": lambda: argmax_reference(x.float()),
+            }), reference=lambda: argmax_reference(x.double()))
+
+        cases.append(BenchCase("argmax", "fwd", dtype, f"{B}x{V}", B * V, setup, bytes=B * V * dtype.itemsize,
+                               plot="logits bf16", quick=V == 1000))
+    return cases
+
+
+LINEAR_SPEC = OpSpec(name="decode_linear", fn=decode_linear_outputs, reference=decode_linear_flat_reference,
+                     test_cases=decode_linear_test_cases, bench_cases=decode_linear_bench_cases, compare="norm")
+SWIGLU_SPEC = OpSpec(name="decode_swiglu", fn=decode_swiglu_outputs, reference=decode_swiglu_flat_reference,
+                     test_cases=decode_swiglu_test_cases, bench_cases=decode_swiglu_bench_cases, compare="norm")
+ARGMAX_SPEC = OpSpec(name="argmax", fn=argmax, reference=argmax_reference, test_cases=argmax_test_cases,
+                     bench_cases=argmax_bench_cases)

@@ -1,0 +1,369 @@
+"""A decode step's products: a few rows (1 to MAX_ROWS tokens) times weights that are read once.
+
+    decode_linear(x, (w_0, w_1, ...), biases) -> (x w_0^T + b_0, x w_1^T + b_1, ...)
+    decode_swiglu(x, w_gate, w_up)           -> silu(x w_gate^T) * (x w_up^T)
+
+x (M, K), M <= MAX_ROWS, weights (N_i, K) (copied where their columns are strided), one to
+MAX_WEIGHTS of them (attention's q, k and v projections), biases None or one per weight (each
+None or (N_i,)). Outputs (M, N_i) in x's dtype, accumulated in float32 and rounded once
+(decode_swiglu's gate and up products are not rounded before the activation). Both take
+norm=(weight, eps, offset) to multiply rms_norm(x) instead of x (offset: Gemma's 1 + weight),
+and with it residual= for rms_norm(x + residual), the sum returned last (add_rms_norm's). All
+in the dtype of x. Inference only: no backward.
+
+At M = 1 a product is a weight read: its floor is the weight's bytes at copy bandwidth. cuBLAS
+reaches about a third of that on a 2-8 MB weight (a layer's q, k, v and o) and one launch per
+weight; here one launch covers all the weights given, programs of BLOCK_N rows of one weight
+each, so that the q, k and v projections (or the gate and up projections with the activation)
+are one stream of weight rows. One row (M = 1) is an elementwise product and a row sum in
+registers; more rows take tl.dot over a 16-row tile. The norm folds into the same pass over x:
+a row's 1/rms scales all its products, applied at the end. Design: docs/generate.md, "Skinny
+products".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROWS = 16
+MAX_WEIGHTS = 3
+# tl.dot's smallest tile: more than one row pads to 16.
+DOT_ROWS = 16
+
+
+def _config(block_n, block_k, warps, stages):
+    # LOOP_STAGES pipelines the weight loads of the one-row path too (num_stages alone pipelines
+    # only loads that feed a tl.dot).
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "LOOP_STAGES": stages}, num_warps=warps,
+                         num_stages=stages)
+
+
+def _configs():
+    """Weight tiles of BLOCK_N rows x BLOCK_K columns; the interpreter takes the first. One row
+    takes narrow tiles too: a long-K weight of few rows (the e2e model's down projection, 2048 x
+    8192) must still make several programs an SM (_prune)."""
+    if runtime.INTERPRET:
+        return [_config(16, 64, 4, 1)]
+    return [
+        _config(4, 1024, 4, 3),
+        _config(8, 512, 4, 3),
+        _config(8, 1024, 8, 3),
+        _config(16, 512, 4, 3),
+        _config(16, 256, 4, 4),
+        _config(32, 256, 8, 3),
+        _config(16, 1024, 8, 2),
+        _config(32, 512, 8, 2),
+        _config(64, 128, 4, 3),
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    # tl.dot (more than one row) takes tiles of at least 16 rows.
+    return [c for c in configs if kwargs["ONE_ROW"] or c.kwargs["BLOCK_N"] >= DOT_ROWS]
+
+
+@triton.jit
+def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, store_sum, M, K,
+                        w_ptr, stride_wn, u_ptr, stride_un, offs_n, n_ok,
+                        NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr,
+                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        LOOP_STAGES: tl.constexpr):
+    """(x' w^T, x' u^T (GATED, else 0), each x' row's sum of squares (NORM, else 0)), float32,
+    (BLOCK_M, BLOCK_N) for weight rows offs_n. x' is x, or with RESIDUAL x + r rounded to x's
+    dtype (stored to s where store_sum), times (norm_offset + nw) with NORM: the row's 1/rms
+    is a factor of all its products, applied by the caller (one pass over x; docs/generate.md)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m[:, None] < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = u_ptr + offs_n[:, None].to(tl.int64) * stride_un
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc_w = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    row_w = tl.zeros((BLOCK_N,), tl.float32)
+    row_u = tl.zeros((BLOCK_N,), tl.float32)
+    squares = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        k = k0 + offs_k
+        if EVEN_K:
+            w_mask = n_ok[:, None]
+            x_mask = m_ok
+        else:
+            w_mask = n_ok[:, None] & (k[None, :] < K)
+            x_mask = m_ok & (k[None, :] < K)
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            u = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        if RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + offs_m[:, None] * stride_sm + k[None, :], x, mask=x_mask & store_sum)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (xf * (norm_offset + nw)[None, :]).to(x_ptr.dtype.element_ty)
+        if ONE_ROW:
+            xf = x.to(tl.float32)
+            row_w += tl.sum(w.to(tl.float32) * xf, axis=1)
+            if GATED:
+                row_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+        else:
+            if UPCAST:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc_w = tl.dot(x, tl.trans(w), acc_w, input_precision=INPUT_PRECISION)
+            if GATED:
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_u = tl.dot(x, tl.trans(u), acc_u, input_precision=INPUT_PRECISION)
+    if ONE_ROW:
+        acc_w = row_w[None, :]
+        acc_u = row_u[None, :]
+    return acc_w, acc_u, squares
+
+
+@triton.jit
+def _inverse_rms(squares, K, eps, NORM: tl.constexpr):
+    """Each row's 1 / rms from its sum of squares (1 without NORM), as a (BLOCK_M, 1) factor."""
+    if NORM:
+        factor = tl.rsqrt(squares / K + eps)
+    else:
+        factor = squares * 0.0 + 1.0
+    return factor[:, None]
+
+
+@triton.jit
+def _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum, M, K,
+                 w_ptr, stride_wn, b_ptr, y_ptr, stride_ym, N, tile,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, ONE_ROW: tl.constexpr,
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """Columns [tile * BLOCK_N, + BLOCK_N) of y = x' w^T (+ b), x' as _rows_times_weights has it
+    and normalised."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc, _, squares = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset,
+                                          store_sum, M, K, w_ptr, stride_wn, w_ptr, stride_wn, offs_n, n_ok, NORM,
+                                          RESIDUAL, False, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M,
+                                          BLOCK_N, BLOCK_K, LOOP_STAGES)
+    acc = acc * _inverse_rms(squares, K, eps, NORM)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    offs_m = tl.arange(0, BLOCK_M)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & n_ok[None, :])
+
+
+@runtime.autotune(configs=_configs(), prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, r_ptr, s_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
+    stride_xm, stride_rm, stride_sm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
+    M, K, N0, N1, N2, eps, norm_offset,
+    WEIGHTS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, HAS_BIAS2: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """Programs take BLOCK_N rows of one weight: weight 0's tiles first, then 1's, then 2's. With
+    SWIGLU, a program takes the same rows of w0 (gate) and w1 (up) and stores silu(g) * u to y0.
+    With RESIDUAL, program 0 stores x + r to s (every program reads the whole of x)."""
+    pid = tl.program_id(0)
+    store_sum = pid == 0
+    if SWIGLU:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N0
+        g, u, squares = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
+                                            norm_offset, store_sum, M, K, w0_ptr, stride_w0, w1_ptr, stride_w1,
+                                            offs_n, n_ok, NORM, RESIDUAL, True, ONE_ROW, EVEN_K, UPCAST,
+                                            INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+        factor = _inverse_rms(squares, K, eps, NORM)
+        g = g * factor
+        h = g / (1.0 + tl.exp(-g)) * (u * factor)
+        offs_m = tl.arange(0, BLOCK_M)
+        tl.store(y0_ptr + offs_m[:, None] * stride_y0 + offs_n[None, :], h.to(y0_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & n_ok[None, :])
+    else:
+        tiles0 = tl.cdiv(N0, BLOCK_N)
+        tiles1 = tl.cdiv(N1, BLOCK_N)
+        if pid < tiles0:
+            _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
+                         M, K, w0_ptr, stride_w0, b0_ptr, y0_ptr, stride_y0, N0, pid, HAS_BIAS0, NORM, RESIDUAL,
+                         ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+        elif WEIGHTS == 2 or pid < tiles0 + tiles1:
+            _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
+                         M, K, w1_ptr, stride_w1, b1_ptr, y1_ptr, stride_y1, N1, pid - tiles0, HAS_BIAS1, NORM,
+                         RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+        else:
+            _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
+                         M, K, w2_ptr, stride_w2, b2_ptr, y2_ptr, stride_y2, N2, pid - tiles0 - tiles1, HAS_BIAS2,
+                         NORM, RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                         LOOP_STAGES)
+
+
+_launch = runtime.TunedLauncher(_decode_linear_kernel)
+
+
+def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, norm, residual) -> None:
+    runtime.check_tensor("x", x, DTYPES)
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be (M, K) with 1 <= M <= {MAX_ROWS} rows, got shape {tuple(x.shape)}")
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"weights must hold 1 to {MAX_WEIGHTS} tensors, got {len(weights)}")
+    if biases is not None and len(biases) != len(weights):
+        raise ValueError(f"biases must be None or one per weight ({len(weights)}), got {len(biases)}")
+    M, K = x.shape
+    named = {f"weights[{i}]": w for i, w in enumerate(weights)}
+    named.update({f"biases[{i}]": b for i, b in enumerate(biases or ()) if b is not None})
+    if norm is not None:
+        if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
+            raise ValueError("norm must be None or (weight, eps, offset)")
+        named["norm weight"] = norm[0]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in norm[1:]) or norm[1] < 0:
+            raise ValueError(f"norm's eps and offset must be finite numbers, eps >= 0, got {norm[1]!r}, {norm[2]!r}")
+    if residual is not None:
+        if norm is None:
+            raise ValueError("residual is added before the norm: give norm with it")
+        named["residual"] = residual
+    for name, t in named.items():
+        runtime.check_tensor(name, t, (x.dtype,))
+        runtime.check_same_device(x=x, **{name: t})
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"weights[{i}] must be (N, {K}) for x of {K} columns, got shape {tuple(w.shape)}")
+        b = None if biases is None else biases[i]
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"biases[{i}] must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    if norm is not None and tuple(norm[0].shape) != (K,):
+        raise ValueError(f"the norm weight must have shape ({K},), got {tuple(norm[0].shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *named.values())):
+        raise ValueError("decode_linear and decode_swiglu are inference ops (no backward): call them under "
+                         "torch.no_grad() or on tensors that do not require grad")
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _fake_decode_products(x, weights, biases, norm_weight, eps, norm_offset, residual, swiglu):
+    outs = [x.new_empty((x.shape[0], w.shape[0])) for w in (weights[:1] if swiglu else weights)]
+    return outs + ([x.new_empty(x.shape)] if residual is not None else [])
+
+
+@runtime.custom_op("decode_products", fake=_fake_decode_products)
+def decode_products(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                    norm_weight: torch.Tensor | None, eps: float, norm_offset: float, residual: torch.Tensor | None,
+                    swiglu: bool) -> list[torch.Tensor]:
+    """The launcher of decode_linear and decode_swiglu (checked arguments): the outputs, and with a
+    residual x + residual last."""
+    norm = None if norm_weight is None else (norm_weight, eps, norm_offset)
+    x = _unit_columns(x)
+    weights = [_unit_columns(w) for w in weights]
+    biases = [None if b is None else b.contiguous() for b in biases]
+    M, K = x.shape
+    outs = [runtime.empty((M, w.shape[0]), x.dtype, x.device) for w in (weights[:1] if swiglu else weights)]
+    total = runtime.empty((M, K), x.dtype, x.device) if residual is not None else None
+    n_weights = 1 if swiglu else len(weights)
+    if K == 0 or all(w.shape[0] == 0 for w in weights[:n_weights]):
+        # Nothing to stream: empty sums are the bias (silu(0) * 0 for SwiGLU), and no program stores the sum.
+        for o, b in zip(outs, biases):
+            o.copy_(b.expand_as(o)) if b is not None else o.zero_()
+        if total is not None:
+            torch.add(x, residual, out=total)
+        return outs + ([total] if total is not None else [])
+    residual = x if residual is None else _unit_columns(residual)
+    norm_weight, eps, norm_offset = norm if norm is not None else (x, 0.0, 0.0)
+    pad = [weights[0]] * (MAX_WEIGHTS - len(weights))
+    ws = list(weights) + pad
+    bs = [b if b is not None else ws[0] for b in biases] + pad
+    ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    s = total if total is not None else x
+    Ns = [w.shape[0] for w in ws]
+    one_row = M == 1
+    consts = dict(WEIGHTS=len(weights), HAS_BIAS0=biases[0] is not None,
+                  HAS_BIAS1=len(biases) > 1 and biases[1] is not None,
+                  HAS_BIAS2=len(biases) > 2 and biases[2] is not None, NORM=norm is not None,
+                  RESIDUAL=total is not None, SWIGLU=swiglu, ONE_ROW=one_row, UPCAST=runtime.INTERPRET,
+                  INPUT_PRECISION=runtime.input_precision(x.dtype), BLOCK_M=1 if one_row else DOT_ROWS)
+
+    def grid(config):
+        return (sum(runtime.cdiv(n, config["BLOCK_N"]) for n in Ns[:n_weights]),)
+
+    def even_k(config):
+        return K % config["BLOCK_K"] == 0
+
+    key = (x.dtype, one_row, K, tuple(Ns[:len(weights)]), swiglu, norm is not None, total is not None,
+           x.device.index)
+    args = (x, residual, s, norm_weight.contiguous(), *ws, *bs, *ys, x.stride(0), residual.stride(0), s.stride(0),
+            *(w.stride(0) for w in ws), *(y.stride(0) for y in ys), M, K, *Ns, float(eps), float(norm_offset))
+    _launch(key, grid, *args, **consts, fitted=lambda config: (args, dict(consts, EVEN_K=even_k(config))))
+    return outs + ([total] if total is not None else [])
+
+
+def _bias_list(biases, n: int) -> list[torch.Tensor | None]:
+    return [None] * n if biases is None else list(biases)
+
+
+def _norm_args(norm) -> tuple[torch.Tensor | None, float, float]:
+    return (None, 0.0, 0.0) if norm is None else (norm[0], float(norm[1]), float(norm[2]))
+
+
+def decode_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
+                  norm: tuple[torch.Tensor, float, float] | None = None,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """x w_i^T + b_i for each of 1 to MAX_WEIGHTS weights, in one launch: see the module doc.
+    norm = (weight, eps, offset): the products of rms_norm(x) instead (rms_norm's arguments);
+    residual: of rms_norm(x + residual), the sum (rounded to x's dtype) returned after the outputs."""
+    _check(x, weights, biases, norm, residual)
+    return tuple(decode_products(x, list(weights), _bias_list(biases, len(weights)), *_norm_args(norm), residual,
+                                 False))
+
+
+def decode_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  norm: tuple[torch.Tensor, float, float] | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """silu(x w_gate^T) * (x w_up^T) in one launch: see the module doc. norm and residual as
+    decode_linear takes them; with a residual, (the activation, x + residual)."""
+    _check(x, (w_gate, w_up), None, norm, residual)
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    out = decode_products(x, [w_gate, w_up], [None, None], *_norm_args(norm), residual, True)
+    return out[0] if residual is None else tuple(out)
+
+
+def _normed_reference(x, norm, residual):
+    """(rms_norm(x + residual) or x as the products take it, x + residual or None)."""
+    total = None if residual is None else x + residual
+    if total is not None:
+        x = total
+    if norm is not None:
+        weight, eps, offset = norm
+        xf = x.double() if x.dtype == torch.float64 else x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.to(xf.dtype))).to(x.dtype)
+    return x, total
+
+
+def decode_linear_reference(x, weights, biases=None, norm=None, residual=None):
+    h, total = _normed_reference(x, norm, residual)
+    biases = biases or [None] * len(weights)
+    outs = tuple(torch.nn.functional.linear(h, w, b) for w, b in zip(weights, biases))
+    return outs if total is None else (*outs, total)
+
+
+def decode_swiglu_reference(x, w_gate, w_up, norm=None, residual=None):
+    h, total = _normed_reference(x, norm, residual)
+    act = torch.nn.functional.silu(torch.nn.functional.linear(h, w_gate)) * torch.nn.functional.linear(h, w_up)
+    return act if total is None else (act, total)

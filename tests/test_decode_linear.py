@@ -1,0 +1,108 @@
+"""decode_linear, decode_swiglu and argmax beyond the registry's cases: bad input named, the
+inference-only contract, a weight passed twice, and the choice of launch by rows."""
+
+import pytest
+import torch
+
+import tritonformer  # noqa: F401  (before triton: picks the interpreter)
+from tritonformer.ops.argmax import argmax
+from tritonformer.ops.decode_linear import MAX_ROWS, decode_linear, decode_swiglu
+
+from helpers import foreign_device_tensor
+
+
+def _xw(device, M=2, K=32, N=8, dtype=torch.float32):
+    return torch.randn(M, K, device=device).to(dtype), torch.randn(N, K, device=device).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda x, w: (x.double(), [w], None), TypeError, "x has dtype torch.float64"),
+        (lambda x, w: (x[0], [w], None), ValueError, r"x must be \(M, K\)"),
+        (lambda x, w: (x.new_zeros(MAX_ROWS + 1, 32), [w], None), ValueError, f"1 <= M <= {MAX_ROWS}"),
+        (lambda x, w: (x, [], None), ValueError, "weights must hold 1 to 3"),
+        (lambda x, w: (x, [w] * 4, None), ValueError, "weights must hold 1 to 3"),
+        (lambda x, w: (x, [w.half()], None), TypeError, r"weights\[0\] has dtype torch.float16"),
+        (lambda x, w: (x, [w, w[:, :5]], None), ValueError, r"weights\[1\] must be \(N, 32\)"),
+        (lambda x, w: (x, [w], [None, None]), ValueError, "biases must be None or one per weight"),
+        (lambda x, w: (x, [w], [w[0]]), ValueError, r"biases\[0\] must have shape \(8,\)"),
+        (lambda x, w: (x, [foreign_device_tensor()], None), ValueError, "weights\\[0\\] is on meta"),
+    ],
+)
+def test_bad_input_is_named(device, change, error, match):
+    x, w = _xw(device)
+    with pytest.raises(error, match=match):
+        decode_linear(*change(x, w))
+
+
+def test_inference_only(device):
+    x, w = _xw(device)
+    with pytest.raises(ValueError, match="inference ops"):
+        decode_linear(x, [w.requires_grad_(True)])
+    with torch.no_grad():
+        (y,) = decode_linear(x, [w])
+    assert not y.requires_grad
+    with pytest.raises(ValueError, match="w_gate and w_up must have one shape"):
+        decode_swiglu(x, w.detach(), w.detach()[:4])
+
+
+def test_one_weight_in_several_places(device):
+    # The q, k and v of a tied model, or one weight passed twice: each output is its own product.
+    x, w = _xw(device, M=3)
+    a, b = decode_linear(x, [w, w], [None, torch.ones(8, device=device)])
+    assert torch.allclose(a, x @ w.t(), atol=1e-5) and torch.allclose(b, x @ w.t() + 1, atol=1e-5)
+
+
+def test_argmax_bad_input(device):
+    with pytest.raises(ValueError, match="empty last dimension"):
+        argmax(torch.zeros(3, 0, device=device))
+    with pytest.raises(TypeError, match="x has dtype torch.int64"):
+        argmax(torch.zeros(3, 4, dtype=torch.long, device=device))
+    assert argmax(torch.zeros(0, 5, device=device)).shape == (0,)
+
+
+def test_bad_norm_is_named(device):
+    x, w = _xw(device)
+    norm = (torch.ones(32, device=device), 1e-6, 0.0)
+    with pytest.raises(ValueError, match="residual is added before the norm"):
+        decode_linear(x, [w], residual=x)
+    with pytest.raises(ValueError, match=r"norm must be None or \(weight, eps, offset\)"):
+        decode_linear(x, [w], norm=norm[:2])
+    with pytest.raises(ValueError, match=r"the norm weight must have shape \(32,\)"):
+        decode_linear(x, [w], norm=(torch.ones(31, device=device), 1e-6, 0.0))
+    with pytest.raises(ValueError, match="eps and offset must be finite"):
+        decode_linear(x, [w], norm=(norm[0], float("nan"), 0.0))
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        decode_swiglu(x, w, w, norm=norm, residual=x.half())
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        decode_swiglu(x, w, w, norm=norm, residual=x[:1])
+
+
+def test_the_sum_is_stored_once_for_every_tile(device):
+    # Program 0 stores x + residual; the other programs' tiles must not need it (nor write it).
+    x, w = _xw(device, M=3, K=40, N=300)
+    r = torch.randn_like(x)
+    norm = (torch.rand(40, device=device) + 0.5, 1e-6, 0.0)
+    y, total = decode_linear(x, [w], norm=norm, residual=r)
+    assert torch.equal(total, x + r)
+    h = (x + r) * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + 1e-6) * norm[0]
+    assert torch.allclose(y, h @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_exported_and_compiles_without_graph_breaks(device):
+    x, w = _xw(device, M=2, K=32, N=24)
+    r, nw = torch.randn_like(x), torch.rand(32, device=device) + 0.5
+    assert (tritonformer.decode_linear, tritonformer.decode_swiglu, tritonformer.argmax) == (
+        decode_linear, decode_swiglu, argmax)
+
+    def step(x, r):
+        q, k, total = decode_linear(x, [w, w[:8]], norm=(nw, 1e-6, 0.0), residual=r)
+        h = decode_swiglu(total, w, w, norm=(nw, 1e-6, 1.0))
+        return argmax(h + q), k
+
+    with torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        expected = step(x, r)
+        for got, want in zip(compiled(x, r), expected):
+            assert torch.equal(got, want)
