@@ -65,7 +65,8 @@ def test_softcap_and_sinks_equal_attentions(device, dtype, splits):
         assert_close(out, decode_attention_reference(q, k, v, lens, window=40, softcap=softcap, sinks=sink), dtype,
                      compare)
         full = decode_attention(q, k, v, num_splits=splits, softcap=softcap, sinks=sink)
-        assert_close(full, attention(q, k, v, causal=True, softcap=softcap, sinks=sink).double(), dtype, compare)
+        # Two float32 kernels, each off the float64 reference by its own sums: compared norm-wise.
+        assert_close(full, attention(q, k, v, causal=True, softcap=softcap, sinks=sink).double(), dtype, "norm")
     assert torch.equal(out[2, :, 0], torch.zeros_like(out[2, :, 0]))
 
 
@@ -120,7 +121,7 @@ def test_split_count_fills_the_gpu_within_bounds():
     from tritonformer.ops.decode_attention import MIN_SPLIT, PROGRAMS_PER_SM
 
     target = PROGRAMS_PER_SM * runtime.num_sms(0)
-    assert default_splits(64, 8, 128) == 1  # a short cache: one launch
+    assert default_splits(64, 8, MIN_SPLIT) == 1  # a cache of one split's keys: one launch
     assert default_splits(4 * target, 1, 1 << 20) == 1  # the batch alone fills the GPU
     for B, H_kv, S in ((1, 8, 4096), (1, 1, 1 << 20), (2, 4, 1000), (1, 2, 300)):
         splits = default_splits(B, H_kv, S)

@@ -27,7 +27,9 @@ import torch
 from . import runtime
 from .capture import CudaGraph
 from .nn import QuantizedLinear
+from .ops.argmax import argmax
 from .ops.decode_attention import HEAD_DIMS, decode_attention
+from .ops.decode_linear import MAX_ROWS, decode_linear, decode_swiglu
 from .ops.norm import add_rms_norm, rms_norm
 from .ops.rope import rope_into_cache
 from .ops.swiglu import swiglu
@@ -135,10 +137,12 @@ class Sampling:
             raise ValueError(f"generate: top_p must be None or in (0, 1], got {self.top_p!r}")
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token of each row of float32 logits (B, V), on the device, without a host
-        synchronisation (a CUDA graph holds it)."""
+        """The next token of each row of logits (B, V), on the device, without a host
+        synchronisation (a CUDA graph holds it). Greedy reads the logits in their dtype (their
+        float32 copies order alike); sampling works in float32."""
         if not self.do_sample:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
+        logits = logits.float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
         if self.top_k:
@@ -248,11 +252,8 @@ class _Decoder:
         for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
             cos, sin = tables[attn.layer_type] if family.rope_per_layer_type else table
-            if residual is None:
-                h, residual = rms_norm(x, *norm(layer.input_layernorm)), x
-            else:
-                h, residual = add_rms_norm(mlp_out, residual, *norm(layer.input_layernorm))
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q, k, v, residual = _normed_products(B, x if residual is None else mlp_out, residual,
+                                                 norm(layer.input_layernorm), attn.q_proj, attn.k_proj, attn.v_proj)
             if self.clip is not None:  # OLMoE's clip_qkv
                 q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
             if family.q_norm is not None:
@@ -263,23 +264,22 @@ class _Decoder:
             q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window,
                                  softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
-            o = attn.o_proj(o.transpose(1, 2).reshape(B, H * D))
+            o, = _products(B, o.transpose(1, 2).reshape(B, H * D), attn.o_proj)
             if family.sandwich:
                 o = rms_norm(o, *norm(layer.post_attention_layernorm))
-            h, residual = add_rms_norm(o, residual, *norm(layer.pre_feedforward_layernorm if family.sandwich
-                                                          else layer.post_attention_layernorm))
-            if family.moe:
-                mlp_out = mlp(h.view(B, 1, -1)).view(B, -1)
-            elif family.mlp_module:
-                mlp_out = mlp(h)
+            post = norm(layer.pre_feedforward_layernorm if family.sandwich else layer.post_attention_layernorm)
+            if family.moe or family.mlp_module:
+                h, residual = add_rms_norm(o, residual, *post)
+                mlp_out = mlp(h.view(B, 1, -1)).view(B, -1) if family.moe else mlp(h)
             else:
-                mlp_out = mlp.down_proj(swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+                act, residual = _normed_gated(B, o, residual, post, mlp.gate_proj, mlp.up_proj)
+                mlp_out, = _products(B, act, mlp.down_proj)
             if family.sandwich:
                 mlp_out = rms_norm(mlp_out, *norm(layer.post_feedforward_layernorm))
         h, _ = add_rms_norm(mlp_out, residual, *norm(inner.norm))
-        logits = model.lm_head(h).float()
+        logits = model.lm_head(h)
         if self.logit_softcap is not None:
-            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+            logits = self.logit_softcap * torch.tanh(logits.float() / self.logit_softcap)
         self._record(self.sampling.pick(logits))
         self.positions.add_(1)
         self.lengths.add_(1)
@@ -316,6 +316,46 @@ class _Decoder:
         if bool(self.done.all()):
             return int(self.finished_at.max()) + 1
         return steps
+
+
+def _plain(B: int, *linears: torch.nn.Module) -> bool:
+    """Whether decode_linear takes these projections for a step of B rows: plain nn.Linear (not
+    a block-scaled QuantizedLinear) and few rows (beyond them cuBLAS streams the weights well)."""
+    return B <= MAX_ROWS and all(type(linear) is torch.nn.Linear for linear in linears)
+
+
+def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """x through each projection: in one decode_linear launch where it takes them (a layer's q, k
+    and v are one stream of weight rows; docs/generate.md), else through each module."""
+    if _plain(B, *linears):
+        return decode_linear(x, [linear.weight for linear in linears], [linear.bias for linear in linears])
+    return tuple(linear(x) for linear in linears)
+
+
+def _normed_products(B: int, x: torch.Tensor, residual: torch.Tensor | None, norm: tuple,
+                     *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """(each projection of h, the new residual) for h = rms_norm(x + residual) (rms_norm(x), the
+    residual then x, when residual is None): the norm and the residual add inside decode_linear's
+    launch at one row (at 16 rows the step was slower with them inside: docs/generate.md), else
+    add_rms_norm and _products."""
+    if B == 1 and _plain(B, *linears):
+        weights, biases = [linear.weight for linear in linears], [linear.bias for linear in linears]
+        if residual is None:
+            return (*decode_linear(x, weights, biases, norm=norm), x)
+        return decode_linear(x, weights, biases, norm=norm, residual=residual)
+    h, residual = (rms_norm(x, *norm), x) if residual is None else add_rms_norm(x, residual, *norm)
+    return (*_products(B, h, *linears), residual)
+
+
+def _normed_gated(B: int, x: torch.Tensor, residual: torch.Tensor, norm: tuple, gate: torch.nn.Module,
+                  up: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate(h)) * up(h), the new residual) for h = rms_norm(x + residual): one decode_swiglu
+    launch for plain bias-free projections, the norm inside at one row (as _normed_products)."""
+    plain = _plain(B, gate, up) and gate.bias is None and up.bias is None
+    if plain and B == 1:
+        return decode_swiglu(x, gate.weight, up.weight, norm=norm, residual=residual)
+    h, residual = add_rms_norm(x, residual, *norm)
+    return (decode_swiglu(h, gate.weight, up.weight) if plain else swiglu(gate(h), up(h))), residual
 
 
 # The decoder of each model's latest call, while the model lives: its caches are the model's KV

@@ -34,8 +34,10 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 MAX_QUERIES = 16
 # Programs a launch aims at per SM: several resident programs hide a program's load latency.
 PROGRAMS_PER_SM = 4
-# Keys a program takes at least (a split shorter than this is all setup).
-MIN_SPLIT = 256
+# Keys a program takes at least: one key block. A decode step at batch 1 and 4 KV heads then
+# spreads a 768-key cache over 48 programs of one block each, not 12 of four (6.1 us a layer
+# on the H200 with 256; docs/attention.md, "Decode").
+MIN_SPLIT = 64
 # A split count's limit: the combine kernel reads all of a row's partial log-sum-exps at once.
 MAX_SPLITS = 128
 # Splits the combine kernel sums at a time.
