@@ -6,7 +6,8 @@ import torch
 
 import tritonformer  # noqa: F401  (before triton: picks the interpreter)
 from tritonformer.ops.argmax import argmax
-from tritonformer.ops.decode_linear import MAX_ROWS, decode_linear, decode_swiglu
+from tritonformer.ops.decode_linear import MAX_ROWS, decode_linear, decode_linear_reference, decode_swiglu
+from tritonformer.testing import assert_close
 
 from helpers import foreign_device_tensor
 
@@ -106,3 +107,17 @@ def test_exported_and_compiles_without_graph_breaks(device):
         expected = step(x, r)
         for got, want in zip(compiled(x, r), expected):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_large_activations_do_not_overflow_fp16(device, rows):
+    # x times the norm weight passes fp16's 65504; normalised first (as HF), it does not.
+    x = torch.randn(rows, 64, device=device).half()
+    x[:, 5] = 3000
+    nw = torch.ones(64, device=device).half()
+    nw[5] = 30
+    w = (torch.randn(16, 64, device=device) / 8).half()
+    (y,) = decode_linear(x, [w], norm=(nw, 1e-6, 0.0))
+    (expected,) = decode_linear_reference(x.double(), [w.double()], norm=(nw.double(), 1e-6, 0.0))
+    assert torch.isfinite(y).all()
+    assert_close(y, expected, torch.float16, "norm")

@@ -82,6 +82,16 @@ def test_greedy_tokens_are_hfs_with_padding_and_eos(family, device):
     assert (ours[0, ids.shape[1] + 4:] == VOCAB - 1).all()
 
 
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_greedy_tokens_at_batch_1_are_hfs(family, device):
+    """Batch 1 takes the norms and residual adds inside decode_linear's launches (the families'
+    biases, norm offsets, q/k norms and clips around them): HF's tokens exactly."""
+    model = _model(family, device=device)
+    ids = torch.randint(1, VOCAB, (1, 7), device=device)
+    expected = _hf_generate(model, ids, None, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(decoding.generate(model, ids, max_new_tokens=8), expected)
+
+
 def test_greedy_64_tokens_at_batch_1(device):
     model = _model("llama", device=device)
     ids = torch.randint(0, VOCAB, (1, 9), device=device)
@@ -118,11 +128,12 @@ def test_cuda_graph_replays_give_the_eager_steps_tokens(device):
                        decoding.generate(model, ids2, mask2, max_new_tokens=40, cuda_graph=False))
 
 
-def test_bf16_tokens_are_hfs_argmax_within_tolerance(device):
+@pytest.mark.parametrize("lengths", [(10, 6), (10,)])
+def test_bf16_tokens_are_hfs_argmax_within_tolerance(device, lengths):
     """bf16: at every new position, our token's logit in HF's teacher-forced forward of the same
-    sequence is within bf16 rounding of HF's largest."""
+    sequence is within bf16 rounding of HF's largest (batch 1: the norms inside the products)."""
     model = _model("llama", dtype=torch.bfloat16, device=device)
-    ids, mask = _ragged_prompt(device, lengths=(10, 6))
+    ids, mask = _ragged_prompt(device, lengths=lengths)
     ours = decoding.generate(model, ids, mask, max_new_tokens=24)
     full_mask = torch.cat([mask, torch.ones_like(ours[:, ids.shape[1]:])], dim=1)
     positions = (full_mask.cumsum(1) - 1).clamp_(min=0)

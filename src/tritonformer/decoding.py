@@ -320,8 +320,10 @@ class _Decoder:
 
 def _plain(B: int, *linears: torch.nn.Module) -> bool:
     """Whether decode_linear takes these projections for a step of B rows: plain nn.Linear (not
-    a block-scaled QuantizedLinear) and few rows (beyond them cuBLAS streams the weights well)."""
-    return B <= MAX_ROWS and all(type(linear) is torch.nn.Linear for linear in linears)
+    a block-scaled QuantizedLinear) without hooks (an adapter's), and few rows (beyond them
+    cuBLAS streams the weights well)."""
+    return B <= MAX_ROWS and all(type(linear) is torch.nn.Linear and not linear._forward_hooks
+                                 and not linear._forward_pre_hooks for linear in linears)
 
 
 def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:

@@ -80,6 +80,9 @@ def decode_linear_test_cases() -> list[TestCase]:
         case("fp32-empty-weight", torch.float32, 2, 32, (0, 5)),
         case("fp32-no-columns", torch.float32, 2, 0, (4, 3), biases=(0,)),
         case("fp32-empty-weight-add-norm", torch.float32, 2, 32, (0,), norm="add"),
+        # Program 0 then serves weight 1: it still stores the whole residual sum.
+        case("fp32-first-weight-empty-add-norm", torch.float32, 1, 96, (0, 40, 3), norm="add"),
+        case("fp16-3-rows-first-weight-empty-add-norm", torch.float16, 3, 96, (0, 40), norm="add"),
         case("bf16-1x2048-e2e-qkv", torch.bfloat16, 1, 2048, (2048, 512, 512), norm="add", gpu_only=True),
         case("bf16-16x4096-llama-qkv", torch.bfloat16, 16, 4096, (4096, 1024, 1024), biases=(0, 1, 2),
              gpu_only=True),
@@ -107,7 +110,7 @@ def decode_swiglu_test_cases() -> list[TestCase]:
 
 
 def argmax_test_cases() -> list[TestCase]:
-    def case(id, dtype, shape, ties=False, strided=False, gpu_only=False):
+    def case(id, dtype, shape, ties=False, strided=False, nan=False, gpu_only=False):
         def make(device):
             x = torch.randn(*shape[:-1], shape[-1] * (2 if strided else 1), device=device).to(dtype)
             x = x[..., ::2] if strided else x
@@ -115,6 +118,9 @@ def argmax_test_cases() -> list[TestCase]:
                 top = x.max() + 1
                 x[0, 1], x[0, -1] = top, top
                 x[-1] = -float("inf")
+            if nan:  # NaN counts above +inf (torch's rule), in the same chunk or a later one
+                x[0, 3], x[0, 5] = float("inf"), float("nan")
+                x[1, 7], x[1, -2] = float("inf"), float("nan")
             return (x,), {}
         return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only, out_dtype=torch.int64,
                         tolerance=torch.int32)
@@ -123,6 +129,7 @@ def argmax_test_cases() -> list[TestCase]:
     cases += [
         case("fp32-2x5x37-strided", torch.float32, (2, 5, 37), strided=True),
         case("bf16-1x1", torch.bfloat16, (1, 1)),
+        case("fp32-2x9000-nan-and-inf", torch.float32, (2, 9000), nan=True),
         case("bf16-64x128256-llama3-vocab", torch.bfloat16, (64, 128256), gpu_only=True),
     ]
     return cases

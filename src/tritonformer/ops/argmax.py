@@ -27,30 +27,37 @@ MAX_CHUNKS = 1024
 
 @triton.jit
 def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, chunks, BLOCK: tl.constexpr):
-    """Chunk c of row r: its largest value (NaN as +inf) and the first column holding it."""
+    """Chunk c of row r: its first NaN (stored as NaN), else its largest value and the first
+    column holding it."""
     pid = tl.program_id(0)
     row = (pid // chunks).to(tl.int64)
     chunk = pid % chunks
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
+    nan = x != x
+    x = tl.where(nan, -float("inf"), x)
     top = tl.max(x, axis=0)
     first = tl.min(tl.where(x == top, cols, V), axis=0)
-    tl.store(val_ptr + pid, top)
-    tl.store(idx_ptr + pid, first)
+    first_nan = tl.min(tl.where(nan, cols, V), axis=0)
+    tl.store(val_ptr + pid, tl.where(first_nan < V, float("nan"), top))
+    tl.store(idx_ptr + pid, tl.where(first_nan < V, first_nan, first))
 
 
 @triton.jit
 def _first_max_chunk_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS: tl.constexpr):
-    """Row r's answer: the index found by its first chunk holding the row's largest value."""
+    """Row r's answer: the index found by its first chunk holding a NaN, else by its first chunk
+    holding the row's largest value."""
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNKS)
     ok = offs < chunks
     vals = tl.load(val_ptr + row * chunks + offs, mask=ok, other=-float("inf"))
     idx = tl.load(idx_ptr + row * chunks + offs, mask=ok, other=0)
-    top = tl.max(vals, axis=0)
-    # Chunks are in column order: the smallest index among the chunks at the top is the first.
-    tl.store(out_ptr + row, tl.min(tl.where(ok & (vals == top), idx, 2**31 - 1), axis=0).to(tl.int64))
+    nan = ok & (vals != vals)
+    top = tl.max(tl.where(nan, -float("inf"), vals), axis=0)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    # Chunks are in column order: the smallest index among the chosen chunks is the first.
+    chosen = tl.where(any_nan, nan, ok & (vals == top))
+    tl.store(out_ptr + row, tl.min(tl.where(chosen, idx, 2**31 - 1), axis=0).to(tl.int64))
 
 
 _launch_chunks = runtime.FastLaunch(_chunk_max_kernel)

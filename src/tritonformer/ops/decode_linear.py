@@ -71,16 +71,19 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, store_sum, M, K,
+def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
+                        M, K,
                         w_ptr, stride_wn, u_ptr, stride_un, offs_n, n_ok,
                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr,
                         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         LOOP_STAGES: tl.constexpr):
-    """(x' w^T, x' u^T (GATED, else 0), each x' row's sum of squares (NORM, else 0)), float32,
-    (BLOCK_M, BLOCK_N) for weight rows offs_n. x' is x, or with RESIDUAL x + r rounded to x's
-    dtype (stored to s where store_sum), times (norm_offset + nw) with NORM: the row's 1/rms
-    is a factor of all its products, applied by the caller (one pass over x; docs/generate.md)."""
+    """(x' w^T, x' u^T (GATED, else 0), a (BLOCK_M, 1) factor of both), float32, (BLOCK_M, BLOCK_N)
+    for weight rows offs_n. x' is x, or with RESIDUAL x + r rounded to x's dtype (stored to s
+    where store_sum), normalised with NORM. One row: x' (norm_offset + nw) in float32, its sum of
+    squares on the way, and the row's 1/rms is the factor (one pass over x; docs/generate.md).
+    More rows: the dot's operand is in x's dtype, so 1/rms comes first from a pass over x (from
+    L2) and x' is rms_norm's rounded output (x' nw alone could overflow fp16); the factor is 1."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m[:, None] < M
@@ -92,6 +95,17 @@ def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw
     row_w = tl.zeros((BLOCK_N,), tl.float32)
     row_u = tl.zeros((BLOCK_N,), tl.float32)
     squares = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM and not ONE_ROW:
+        for k0 in tl.range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            x_mask = m_ok & (k[None, :] < K)
+            x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+            if RESIDUAL:
+                r = tl.load(r_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+    inv_rms = tl.rsqrt(squares / K + eps)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         k = k0 + offs_k
         if EVEN_K:
@@ -108,13 +122,15 @@ def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw
             r = tl.load(r_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=x_mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(s_ptr + offs_m[:, None] * stride_sm + k[None, :], x, mask=x_mask & store_sum)
+        xf = x.to(tl.float32)
         if NORM:
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
             nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = (xf * (norm_offset + nw)[None, :]).to(x_ptr.dtype.element_ty)
+            if ONE_ROW:
+                squares += tl.sum(xf * xf, axis=1)
+                xf = xf * (norm_offset + nw)[None, :]
+            else:
+                x = (xf * inv_rms[:, None] * (norm_offset + nw)[None, :]).to(x_ptr.dtype.element_ty)
         if ONE_ROW:
-            xf = x.to(tl.float32)
             row_w += tl.sum(w.to(tl.float32) * xf, axis=1)
             if GATED:
                 row_u += tl.sum(u.to(tl.float32) * xf, axis=1)
@@ -127,20 +143,13 @@ def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw
                 if UPCAST:
                     u = u.to(tl.float32)
                 acc_u = tl.dot(x, tl.trans(u), acc_u, input_precision=INPUT_PRECISION)
+    factor = squares[:, None] * 0.0 + 1.0
     if ONE_ROW:
         acc_w = row_w[None, :]
         acc_u = row_u[None, :]
-    return acc_w, acc_u, squares
-
-
-@triton.jit
-def _inverse_rms(squares, K, eps, NORM: tl.constexpr):
-    """Each row's 1 / rms from its sum of squares (1 without NORM), as a (BLOCK_M, 1) factor."""
-    if NORM:
-        factor = tl.rsqrt(squares / K + eps)
-    else:
-        factor = squares * 0.0 + 1.0
-    return factor[:, None]
+        if NORM:
+            factor = tl.rsqrt(squares / K + eps)[:, None]
+    return acc_w, acc_u, factor
 
 
 @triton.jit
@@ -153,11 +162,11 @@ def _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, n
     and normalised."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc, _, squares = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset,
-                                          store_sum, M, K, w_ptr, stride_wn, w_ptr, stride_wn, offs_n, n_ok, NORM,
-                                          RESIDUAL, False, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M,
-                                          BLOCK_N, BLOCK_K, LOOP_STAGES)
-    acc = acc * _inverse_rms(squares, K, eps, NORM)
+    acc, _, factor = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset,
+                                         eps, store_sum, M, K, w_ptr, stride_wn, w_ptr, stride_wn, offs_n, n_ok, NORM,
+                                         RESIDUAL, False, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, LOOP_STAGES)
+    acc = acc * factor
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
@@ -184,11 +193,10 @@ def _decode_linear_kernel(
     if SWIGLU:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N0
-        g, u, squares = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
-                                            norm_offset, store_sum, M, K, w0_ptr, stride_w0, w1_ptr, stride_w1,
+        g, u, factor = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
+                                           norm_offset, eps, store_sum, M, K, w0_ptr, stride_w0, w1_ptr, stride_w1,
                                             offs_n, n_ok, NORM, RESIDUAL, True, ONE_ROW, EVEN_K, UPCAST,
                                             INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
-        factor = _inverse_rms(squares, K, eps, NORM)
         g = g * factor
         h = g / (1.0 + tl.exp(-g)) * (u * factor)
         offs_m = tl.arange(0, BLOCK_M)
