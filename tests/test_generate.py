@@ -82,14 +82,15 @@ def test_greedy_tokens_are_hfs_with_padding_and_eos(family, device):
     assert (ours[0, ids.shape[1] + 4:] == VOCAB - 1).all()
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+# One family for each thing around the fused products: Qwen2's biases, Qwen3's per-head q/k norms,
+# Gemma 2's (1 + weight) norms and sandwich, OLMoE's clip and whole-projection norms (and MoE).
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "olmoe"])
 def test_greedy_tokens_at_batch_1_are_hfs(family, device):
-    """Batch 1 takes the norms and residual adds inside decode_linear's launches (the families'
-    biases, norm offsets, q/k norms and clips around them): HF's tokens exactly."""
+    """Batch 1 takes the norms and residual adds inside decode_linear's launches: HF's tokens."""
     model = _model(family, device=device)
     ids = torch.randint(1, VOCAB, (1, 7), device=device)
-    expected = _hf_generate(model, ids, None, max_new_tokens=8, eos_token_id=None)
-    assert torch.equal(decoding.generate(model, ids, max_new_tokens=8), expected)
+    expected = _hf_generate(model, ids, None, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(decoding.generate(model, ids, max_new_tokens=6), expected)
 
 
 def test_greedy_64_tokens_at_batch_1(device):
