@@ -70,14 +70,14 @@ def test_greedy_tokens_are_hfs_with_padding_and_eos(family, device):
     it, the output as long as HF's) HF's too; the mixtures of experts run their MLP as the model's
     own module."""
     model = _model(family, device=device)
-    ids, mask = _ragged_prompt(device)
-    free = _hf_generate(model, ids, mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
-    ours = decoding.generate(model, ids, mask, max_new_tokens=12, pad_token_id=0)
+    ids, mask = _ragged_prompt(device, lengths=(11, 7, 3))
+    free = _hf_generate(model, ids, mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=8, pad_token_id=0)
     assert torch.equal(ours, free)
     # An eos the first sequence makes at its 4th new token: it stops there, the others may too.
     eos = int(free[0, ids.shape[1] + 3])
-    expected = _hf_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=VOCAB - 1)
-    ours = decoding.generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    expected = _hf_generate(model, ids, mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    ours = decoding.generate(model, ids, mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=VOCAB - 1)
     assert ours.shape == expected.shape and torch.equal(ours, expected)
     assert (ours[0, ids.shape[1] + 4:] == VOCAB - 1).all()
 

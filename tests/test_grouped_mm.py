@@ -94,8 +94,9 @@ def test_matches_hf_expert_loop(device):
     rows = x[order // k]
     out = grouped_mm(rows, gate_up.transpose(1, 2), offs)
     for slot, position in zip(order.tolist(), range(T * k)):
-        expected = torch.nn.functional.linear(x[slot // k], gate_up[experts.flatten()[slot]])
-        assert_close(out[position], expected.double(), torch.float32)
+        expected = torch.nn.functional.linear(x[slot // k].double(), gate_up[experts.flatten()[slot]].double())
+        # A sum of 32 products cancels to small values: norm-wise, as every reduction is compared.
+        assert_close(out[position], expected, torch.float32, compare="norm")
 
 
 def test_compiles_without_graph_breaks(device):

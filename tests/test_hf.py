@@ -531,21 +531,22 @@ def test_unpatch_restores_a_custom_loss_function():
 
 @pytest.mark.parametrize("family", list(hf.FAMILIES))
 def test_the_warm_up_readies_every_kernel_a_first_step_launches(family, device, monkeypatch):
-    # Launchers that start empty, and dims no other test (or family) uses, so that no launch
-    # replays a plan made before: every kernel the step launches is counted.
+    # Launchers that start empty (and no plans: the fixture clears them), so that no launch
+    # replays what an earlier test made: every kernel the step launches is counted. A sequence
+    # length of each family's own besides.
     for launcher in runtime.FastLaunch.instances:
         monkeypatch.setattr(launcher, "entries", {})
         monkeypatch.setattr(launcher, "compiling", {})
     for launcher in runtime.TunedLauncher.instances:
         monkeypatch.setattr(launcher, "chosen", {})
         monkeypatch.setattr(launcher, "compiling", {})
-    heads = 5 + list(hf.FAMILIES).index(family)
+    heads = 3
     # (Experts' widths kept small: the interpreter runs each expert's product tile by tile.)
     width = 8 * heads if hf.FAMILIES[family].moe else 64 * heads + 32
     model, _ = _models(family, torch.bfloat16, hidden_size=32 * heads, num_attention_heads=heads, num_key_value_heads=1,
                        intermediate_size=width)
     model.to(device).train()
-    B, S = 2, 40
+    B, S = 2, 40 + list(hf.FAMILIES).index(family)
     failures = runtime.background_failures
     runtime.compile_only(hf._warm_step, model, hf.FAMILIES[family], B, S)
     runtime.wait_for_background_work()
