@@ -512,6 +512,23 @@ def test_rope_into_cache_is_apply_rope_and_the_cache_writes(device, dtype, D):
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_into_cache_by_position_reads_the_tables_at_each_position(device, dtype):
+    """Tables of every position (by_position) rotate as the rows gathered at the positions do, bit
+    for bit; a position past the table takes its last row, and writes nothing past the cache."""
+    B, H, H_kv, S_max, D, P = 4, 4, 2, 7, 32, 8
+    q, k, v = (torch.randn(B, n, D, device=device, dtype=dtype) for n in (H, H_kv, H_kv))
+    cos, sin = torch.randn(2, P, D, device=device, dtype=dtype)
+    positions = torch.tensor([6, 0, 9, 3], device=device)
+    caches = [torch.randn(B, H_kv, S_max, D, device=device, dtype=dtype) for _ in range(2)]
+    gathered = [c.clone() for c in caches]
+    q_out = rope_op.rope_into_cache(q, k, v, cos, sin, positions, *caches, by_position=True)
+    rows = positions.clamp(max=P - 1)
+    q_rows = rope_op.rope_into_cache(q, k, v, cos[rows], sin[rows], positions, *gathered)
+    assert torch.equal(q_out, q_rows)
+    assert all(torch.equal(c, g) for c, g in zip(caches, gathered))
+
+
 def test_rope_into_cache_names_bad_input(device):
     q, k = torch.randn(2, 4, 32, device=device), torch.randn(2, 2, 32, device=device)
     cos = sin = torch.randn(2, 32, device=device)
@@ -526,6 +543,10 @@ def test_rope_into_cache_names_bad_input(device):
         call(q, k, k, cos, sin, positions.int(), cache, cache.clone())
     with pytest.raises(ValueError, match="cos must be"):
         call(q, k, k, cos[:, :16], sin, positions, cache, cache.clone())
+    with pytest.raises(ValueError, match="with by_position, cos must be a"):
+        call(q, k, k, cos[:, :16], sin, positions, cache, cache.clone(), by_position=True)
+    with pytest.raises(ValueError, match="differ in shape"):
+        call(q, k, k, torch.randn(5, 32, device=device), sin, positions, cache, cache.clone(), by_position=True)
     with pytest.raises(ValueError, match="unit stride"):
         call(torch.randn(2, 32, 4, device=device).transpose(1, 2), k, k, cos, sin, positions, cache, cache.clone())
     with pytest.raises(ValueError, match="requires grad"):

@@ -31,8 +31,10 @@ from .ops.argmax import argmax
 from .ops.decode_attention import HEAD_DIMS, decode_attention
 from .ops.decode_linear import MAX_ROWS, decode_linear, decode_swiglu
 from .ops.norm import add_rms_norm, rms_norm
+from .ops.record_tokens import DecodeState, record_tokens
 from .ops.rope import rope_into_cache
 from .ops.swiglu import swiglu
+
 
 @dataclass(frozen=True)
 class Family:
@@ -161,8 +163,6 @@ class Sampling:
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-
-
 class _Decoder:
     """A decode step of one model: the state between tokens lives in tensors of a fixed size and
     address (tokens, positions, caches, output), so that one CUDA graph replays every step."""
@@ -197,6 +197,26 @@ class _Decoder:
         self.pad = torch.tensor(pad, dtype=torch.long, device=device)
         self.capture = cuda_graph and device.type == "cuda"
         self.graph: CudaGraph | None = None
+        self.rope_tables = self._rope_tables(inner, device, dtype)
+        # What record_tokens writes after each pick (pad for finished sequences, eos checks).
+        self.state = DecodeState(self.out, self.done, self.finished_at, self.tokens, self.positions, self.lengths,
+                                 self.step_index, self.eos, self.pad)
+
+    def _rope_tables(self, inner: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+        """The model's cos and sin at every position of the cache, once ({layer type or None: (cos,
+        sin)}; `unsupported` admits only tables of the position alone), for rope_into_cache to read
+        at each sequence's position: a step computes none (about 14 us of small kernels a step at
+        batch 1, docs/generate.md)."""
+        positions = torch.arange(self.capacity, device=device)[None]
+        x = torch.empty(1, 1, 1, device=device, dtype=dtype)  # rotary_emb takes its dtype and device
+        if not self.family.rope_per_layer_type:
+            cos, sin = inner.rotary_emb(x, positions)
+            return {None: (cos[0], sin[0])}
+        tables = {}
+        for kind in set(self.model().config.layer_types):
+            cos, sin = inner.rotary_emb(x, positions, kind)
+            tables[kind] = (cos[0], sin[0])
+        return tables
 
     @staticmethod
     def _window(config, attn, family: Family) -> int | None:
@@ -220,17 +240,7 @@ class _Decoder:
         self.done.zero_()
         self.finished_at.fill_(self.capacity)
         self.step_index.zero_()
-        self._record(first)
-
-    def _record(self, picked: torch.Tensor) -> None:
-        """Write a step's tokens (pad for finished sequences) and update the finished flags."""
-        picked = torch.where(self.done, self.pad, picked)
-        self.out.scatter_(1, self.step_index.expand(self.batch, 1), picked[:, None])
-        newly = torch.isin(picked, self.eos) & ~self.done
-        self.finished_at.copy_(torch.where(newly, self.step_index, self.finished_at))
-        self.done.logical_or_(newly)
-        self.tokens.copy_(picked)
-        self.step_index.add_(1)
+        record_tokens(first, self.state, advance=False)
 
     def _norm(self, module: torch.nn.Module) -> tuple[torch.Tensor, float, float]:
         """An HF RMSNorm's (weight, eps, offset), as rms_norm takes them."""
@@ -243,15 +253,10 @@ class _Decoder:
         model = self.model()
         inner = model.model
         x = inner.embed_tokens(self.tokens)
-        positions = self.positions[:, None]
-        if family.rope_per_layer_type:
-            tables = {kind: inner.rotary_emb(x, positions, kind) for kind in set(model.config.layer_types)}
-        else:
-            table = inner.rotary_emb(x, positions)
         mlp_out = residual = None
         for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
-            cos, sin = tables[attn.layer_type] if family.rope_per_layer_type else table
+            cos, sin = self.rope_tables[attn.layer_type if family.rope_per_layer_type else None]
             q, k, v, residual = _normed_products(B, x if residual is None else mlp_out, residual,
                                                  norm(layer.input_layernorm), attn.q_proj, attn.k_proj, attn.v_proj)
             if self.clip is not None:  # OLMoE's clip_qkv
@@ -261,7 +266,8 @@ class _Decoder:
                 q = rms_norm(q.view(B, H, D) if view else q, *norm(attn.q_norm))
                 k = rms_norm(k.view(B, Hkv, D) if view else k, *norm(attn.k_norm))
             q, k = q.view(B, H, D), k.view(B, Hkv, D)
-            q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache)
+            q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache,
+                                by_position=True)
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window,
                                  softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
             o, = _products(B, o.transpose(1, 2).reshape(B, H * D), attn.o_proj)
@@ -280,9 +286,7 @@ class _Decoder:
         logits = model.lm_head(h)
         if self.logit_softcap is not None:
             logits = self.logit_softcap * torch.tanh(logits.float() / self.logit_softcap)
-        self._record(self.sampling.pick(logits))
-        self.positions.add_(1)
-        self.lengths.add_(1)
+        record_tokens(self.sampling.pick(logits), self.state, advance=True)
 
     def run(self, steps: int) -> None:
         """`steps` decode steps (eagerly the first time, then replays of the captured step on a

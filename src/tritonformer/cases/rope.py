@@ -212,33 +212,39 @@ def qkv_rope_bench_cases() -> list[BenchCase]:
     return cases
 
 
-def rope_into_cache_outputs(q, k, v, cos, sin, positions, k_cache, v_cache):
+def rope_into_cache_outputs(q, k, v, cos, sin, positions, k_cache, v_cache, by_position=False):
     """rope_into_cache's three results, for the registry: q rotated and the two caches it wrote."""
-    return rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache), k_cache, v_cache
+    return rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache, by_position), k_cache, v_cache
 
 
-def _decode_step_inputs(B, H, H_kv, S_max, D, dtype, device, positions, strided=False):
+def _decode_step_inputs(B, H, H_kv, S_max, D, dtype, device, positions, strided=False, table_rows=None):
     """(q, k, v, cos, sin, positions, k_cache, v_cache) of one decode step; strided: q, k and v
-    as views of one (B, H + 2 H_kv, D) projection, as a fused qkv product hands them over."""
+    as views of one (B, H + 2 H_kv, D) projection, as a fused qkv product hands them over;
+    table_rows: cos and sin as (table_rows, D) tables of every position (by_position)."""
     if strided:
         qkv = torch.randn(B, H + 2 * H_kv, D, device=device).to(dtype)
         q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
     else:
         q, k, v = (torch.randn(B, n, D, device=device).to(dtype) for n in (H, H_kv, H_kv))
-    cos, sin = (_table((B, 1, D), dtype, device) for _ in range(2))
+    cos, sin = (_table((B, 1, D) if table_rows is None else (table_rows, D), dtype, device) for _ in range(2))
     caches = [torch.randn(B, H_kv, S_max, D, device=device).to(dtype) for _ in range(2)]
     return q, k, v, cos, sin, torch.tensor(positions, device=device), *caches
 
 
 def rope_into_cache_test_cases() -> list[TestCase]:
-    def case(id, dtype, B, H, H_kv, S_max, D, positions, strided=False, gpu_only=False):
+    def case(id, dtype, B, H, H_kv, S_max, D, positions, strided=False, gpu_only=False, table_rows=None):
         return TestCase(id, lambda device: (_decode_step_inputs(B, H, H_kv, S_max, D, dtype, device, positions,
-                                                                strided), {}), dtype, gpu_only=gpu_only)
+                                                                strided, table_rows),
+                                            {} if table_rows is None else {"by_position": True}),
+                        dtype, gpu_only=gpu_only)
 
     return [
         case("fp32-ragged", torch.float32, 3, 4, 2, 9, 32, [0, 8, 3]),
         case("bf16-past-the-cache", torch.bfloat16, 3, 6, 2, 7, 64, [7, -1, 2]),
         case("fp16-fused-qkv-view", torch.float16, 2, 8, 1, 5, 80, [4, 0], strided=True),
+        # Tables of every position: one past the table (clamped to its last row, not in the cache), one outside.
+        case("bf16-tables-by-position", torch.bfloat16, 4, 4, 2, 11, 64, [10, 3, 12, -2], table_rows=12),
+        case("fp32-tables-by-position-view", torch.float32, 2, 6, 3, 6, 32, [5, 0], strided=True, table_rows=6),
         case("bf16-64x32/8x4096x128", torch.bfloat16, 64, 32, 8, 4096, 128, list(range(0, 4096, 64)),
              gpu_only=True),
     ]

@@ -608,20 +608,26 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
 @triton.jit
 def _rope_into_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    H, S_max, stride_p, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_sb,
-    stride_ob, stride_oh, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    H, S_max, table_rows, stride_p, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
+    stride_sb, stride_ob, stride_oh, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BY_POSITION: tl.constexpr,
 ):
     """Program (b, h): query head h < H rotated into q_out; KV head h - H's key rotated and its
-    value copied into the caches at sequence b's position (none written outside [0, S_max))."""
+    value copied into the caches at sequence b's position (none written outside [0, S_max)).
+    cos and sin rows: b's, or with BY_POSITION the tables' row at b's position (clamped into
+    [0, table_rows))."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     ok = cols < HALF
-    c1 = tl.load(cos_ptr + b * stride_cb + cols, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + b * stride_cb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + b * stride_sb + cols, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + b * stride_sb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    if BY_POSITION:
+        row = tl.minimum(tl.maximum(tl.load(pos_ptr + b * stride_p), 0), table_rows - 1).to(tl.int64)
+    else:
+        row = b
+    c1 = tl.load(cos_ptr + row * stride_cb + cols, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + row * stride_cb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * stride_sb + cols, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * stride_sb + HALF + cols, mask=ok, other=0.0).to(tl.float32)
     if h < H:
         src = q_ptr + b * stride_qb + h * stride_qh + cols
         dst = q_out_ptr + b * stride_ob + h * stride_oh + cols
@@ -648,43 +654,47 @@ def _rope_into_cache_kernel(
 _launch_rope_into_cache = runtime.FastLaunch(_rope_into_cache_kernel)
 
 
-def _fake_rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache):
+def _fake_rope_into_cache(q, k, v, cos, sin, positions, k_cache, v_cache, by_position=False):
     return torch.empty_like(q)
 
 
 @runtime.custom_op("rope_into_cache", fake=_fake_rope_into_cache, mutates_args=("k_cache", "v_cache"))
 @runtime.planned
 def rope_into_cache_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        by_position: bool = False) -> torch.Tensor:
     q_out = runtime.empty(q.shape, q.dtype, q.device)
     B, H, D = q.shape
     grid = (B, H + k.shape[1])
-    scalars = (H, k_cache.shape[2], positions.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
-               *v_cache.stride()[:3])
+    scalars = (H, k_cache.shape[2], cos.shape[0], positions.stride(0), q.stride(0), q.stride(1), k.stride(0),
+               k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
+               *k_cache.stride()[:3], *v_cache.stride()[:3])
     if B == 0:
         return q_out
     entry = _launch_rope_into_cache(grid, q, k, v, cos, sin, positions, q_out, k_cache, v_cache, *scalars,
-                                    HALF=D // 2, BLOCK=runtime.next_power_of_2(D // 2))
+                                    HALF=D // 2, BLOCK=runtime.next_power_of_2(D // 2), BY_POSITION=by_position)
     if entry is not None:
         runtime.keep_plan(functools.partial(_replay_rope_into_cache, entry, grid, scalars))
     return q_out
 
 
-def _replay_rope_into_cache(entry, grid, scalars, q, k, v, cos, sin, positions, k_cache, v_cache):
+def _replay_rope_into_cache(entry, grid, scalars, q, k, v, cos, sin, positions, k_cache, v_cache, by_position=False):
     q_out = runtime.empty(q.shape, q.dtype, q.device)
     _launch_rope_into_cache.replay(entry, grid, q, k, v, cos, sin, positions, q_out, k_cache, v_cache, *scalars)
     return q_out
 
 
 def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    by_position: bool = False) -> torch.Tensor:
     """One new token a sequence, for decoding: returns q rotated, and writes k rotated and v into
     the caches at each sequence's position (k_cache[b, :, positions[b]] = rope(k[b])), in one
     launch instead of apply_rope's and two scatters'. q (B, H, D), k and v (B, H_kv, D); cos and
-    sin (B, D) or (B, 1, D) (HF's tables at the positions); positions (B,) int64 on the device (a
-    position outside [0, S_max) writes nothing); caches (B, H_kv, S_max, D). Every head dimension
-    has unit stride. The same rounding as apply_rope (float32, one rounding). No gradient."""
+    sin (B, D) or (B, 1, D) (HF's tables at the positions), or with by_position=True (P, D) tables
+    of every position, read at each sequence's own (clamped into [0, P)): a captured decode step
+    then computes no tables; positions (B,) int64 on the device (a position outside [0, S_max)
+    writes nothing); caches (B, H_kv, S_max, D). Every head dimension has unit stride. The same
+    rounding as apply_rope (float32, one rounding). No gradient."""
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check_tensor(name, t)
         if t.dim() != (4 if name.endswith("cache") else 3):
@@ -700,10 +710,15 @@ def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                          "and (B, H_kv, S_max, D) with D even")
     if len({q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
         raise TypeError("rope_into_cache: q, k, v and the caches must share a dtype")
-    cos, sin = (t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 and t.shape[1] == 1 else t for t in (cos, sin))
+    if not by_position:
+        cos, sin = (t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 and t.shape[1] == 1 else t
+                    for t in (cos, sin))
     for name, t in (("cos", cos), ("sin", sin)):
         runtime.check_tensor(name, t, TABLE_DTYPES)
-        if t.shape != (B, D) or t.stride(1) != 1:
+        if by_position and (t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != D or t.stride(1) != 1):
+            raise ValueError(f"rope_into_cache: with by_position, {name} must be a (P, {D}) table with unit stride, "
+                             f"P >= 1, got {tuple(t.shape)}")
+        if not by_position and (t.shape != (B, D) or t.stride(1) != 1):
             raise ValueError(f"rope_into_cache: {name} must be ({B}, {D}) or ({B}, 1, {D}) with unit stride, "
                              f"got {tuple(t.shape)}")
     runtime.check_tensor("positions", positions, (torch.int64,))
@@ -711,12 +726,18 @@ def rope_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         raise ValueError(f"rope_into_cache: positions must have shape ({B},), got {tuple(positions.shape)}")
     runtime.check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, positions=positions, k_cache=k_cache, v_cache=v_cache)
     runtime.check_no_grad("rope_into_cache", q=q, k=k, v=v)
-    return rope_into_cache_fwd(q, k, v, cos, sin, positions, k_cache, v_cache)
+    if by_position and cos.shape != sin.shape:
+        raise ValueError(f"rope_into_cache: the cos and sin tables differ in shape: {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    return rope_into_cache_fwd(q, k, v, cos, sin, positions, k_cache, v_cache, by_position)
 
 
-def rope_into_cache_reference(q, k, v, cos, sin, positions, k_cache, v_cache):
+def rope_into_cache_reference(q, k, v, cos, sin, positions, k_cache, v_cache, by_position=False):
     """rope_into_cache in plain torch: (q rotated, k_cache, v_cache) with the caches written in
     place at each position inside them, as the kernel writes them."""
+    if by_position:
+        rows = positions.clamp(0, cos.shape[0] - 1)
+        cos, sin = cos[rows], sin[rows]
     cos, sin = (t.reshape(t.shape[0], t.shape[-1])[:, None] for t in (cos, sin))  # (B, 1, D): one position
     q_rot, k_rot = apply_rope_reference(q[:, :, None], k[:, :, None], cos, sin, "bhsd")
     for b, p in enumerate(positions.tolist()):
