@@ -59,20 +59,31 @@ def main() -> None:
           f"{sorted(gaps)[len(gaps) // 2]:.1f} us; floor {floor_ms * 1e3:.0f} us at 4.25 TB/s "
           f"({floor_ms / step_ms * 100:.0f}% of it)")
     by_name = collections.defaultdict(lambda: [0.0, 0])
+    # A kernel launched c times a layer (the products): its time by call within the layer too.
+    by_call = collections.defaultdict(lambda: [0.0, 0])
+    seen = collections.Counter()
     for e in kernels:
         by_name[e.name][0] += e.time_range.elapsed_us()
         by_name[e.name][1] += 1
+        by_call[e.name, seen[e.name]][0] += e.time_range.elapsed_us()
+        seen[e.name] += 1
+    layers = len(model.model.layers)
     print(f"{'us/step':>8s} {'calls':>5s} {'us each':>8s}  kernel")
     for name, (total, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{total / replays:8.1f} {n / replays:5.0f} {total / n:8.2f}  {name[:110]}")
+        per_layer = n // replays // layers
+        if per_layer > 1 and n == replays * layers * per_layer:
+            for c in range(per_layer):
+                part = sum(by_call[name, i][0] for i in range(c, n, per_layer))
+                print(f"{part / replays:8.1f} {layers:5d} {part / (n / per_layer):8.2f}    call {c} of {per_layer} a layer")
     # The products' weights, per kind, and the time they would take at 4.25 TB/s.
     layer = model.model.layers[0]
     print("weights a step (MB, us at 4.25 TB/s):")
     for name, w in [("q", layer.self_attn.q_proj), ("k", layer.self_attn.k_proj), ("o", layer.self_attn.o_proj),
                     ("gate", layer.mlp.gate_proj), ("down", layer.mlp.down_proj), ("lm_head", model.lm_head)]:
-        nbytes = w.weight.numel() * w.weight.element_size()
+        parts = (w.weight.data, w.weight.scales) if hasattr(w.weight, "scales") else (w.weight,)
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
         print(f"  {name:8s} {nbytes / 1e6:7.1f} MB {nbytes / 4.25e6:7.1f} us")
-
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     decode_linear.LINEAR_SPEC,
     decode_linear.SWIGLU_SPEC,
     decode_linear.ARGMAX_SPEC,
+    decode_linear.RECORD_TOKENS_SPEC,
     cross_entropy.SPEC,
     cross_entropy.FUSED_LINEAR_SPEC,
     scaled_matmul.SPEC,

@@ -1,8 +1,9 @@
-"""Cases of `decode_linear` and `decode_swiglu` (a decode step's products) and of `argmax` (its
-greedy pick): odd sizes, 1 to 16 rows, biases, strided inputs and every float dtype for the
-tests; for the benchmark the products of the e2e model and of Llama-3-8B at 1 and 16 rows, and
-argmax over Llama-3's 128k vocabulary, against cuBLAS through torch (one launch per weight),
-torch.compile and torch.argmax."""
+"""Cases of `decode_linear` and `decode_swiglu` (a decode step's products), of `argmax` (its
+greedy pick) and of `record_tokens` (its bookkeeping after the pick): odd sizes, 1 to 16 rows,
+biases, strided inputs and every float dtype for the tests; for the benchmark the products of the
+e2e model and of Llama-3-8B at 1 and 16 rows, argmax over Llama-3's 128k vocabulary, and the
+bookkeeping at batch 1 to 64, against cuBLAS through torch (one launch per weight), torch.compile,
+torch.argmax and the torch launches record_tokens replaces."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from .. import runtime
 from ..ops.argmax import argmax, argmax_reference
 from ..ops.decode_linear import decode_linear, decode_linear_reference, decode_swiglu, decode_swiglu_reference
+from ..ops.record_tokens import DecodeState, record_tokens, record_tokens_reference
 from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
 from . import peers
 
@@ -199,9 +201,105 @@ def argmax_bench_cases() -> list[BenchCase]:
     return cases
 
 
+def decode_state(device, B: int, capacity: int, step: int, eos, pad: int = 0, seed: int = 0) -> DecodeState:
+    """A decoder's state at `step`: random tokens so far, about a third of the sequences finished
+    (at a step before this one), positions and lengths in step."""
+    g = torch.Generator().manual_seed(seed * 1000003 + B * 100 + step)
+    out = torch.randint(0, 50, (B, capacity), generator=g)
+    done = torch.rand(B, generator=g) < 0.3
+    finished_at = torch.where(done, torch.randint(0, step + 1, (B,), generator=g), torch.full((B,), capacity))
+    tokens = torch.randint(0, 50, (B,), generator=g)
+    positions = torch.randint(0, 500, (B,), generator=g)
+    lengths = (positions + 1).int()
+    return DecodeState(*(t.to(device) for t in (out, done, finished_at, tokens, positions, lengths)),
+                       torch.tensor([step], device=device), torch.tensor(list(eos), device=device),
+                       torch.tensor(pad, device=device))
+
+
+def picked_tokens(device, B: int, eos, seed: int = 0) -> torch.Tensor:
+    """A step's picks, every third one the first eos id, so that some sequences finish now."""
+    picked = torch.randint(0, 10, (B,), generator=torch.Generator().manual_seed(seed * 7919 + B))
+    picked[::3] = eos[0]
+    return picked.to(device)
+
+
+def _recorded(record, picked, *state, advance):
+    """The state tensors after `record` ran on copies of them, as int64 (the registry compares one dtype)."""
+    copies = DecodeState(*(t.clone() for t in state))
+    record(picked, copies, advance)
+    return tuple(t.long() for t in copies)
+
+
+def record_tokens_outputs(picked, *state, advance=True):
+    return _recorded(record_tokens, picked, *state, advance=advance)
+
+
+def record_tokens_flat_reference(picked, *state, advance=True):
+    return _recorded(record_tokens_reference, picked, *state, advance=advance)
+
+
+def record_tokens_test_cases() -> list[TestCase]:
+    def case(id, B, eos, advance, capacity=12, step=4, pad=2, gpu_only=False):
+        def make(device):
+            return (picked_tokens(device, B, eos), *decode_state(device, B, capacity, step, eos, pad)), \
+                {"advance": advance}
+        return TestCase(id, make, torch.int64, grad=False, gpu_only=gpu_only, tolerance=torch.int32)
+
+    return [
+        case("B1-one-eos", 1, (7,), True),
+        case("B7-two-eos", 7, (3, 5), True),
+        case("B33-three-eos-no-advance", 33, (3, 5, 7), False, step=0),
+        case("B5-last-step", 5, (0,), True, capacity=6, step=5),
+        case("B256-llama3-eos", 256, (128001, 128008, 128009), True, capacity=4096, step=1000, gpu_only=True),
+    ]
+
+
+def record_tokens_bench_cases() -> list[BenchCase]:
+    cases = []
+    for B in (1, 16, 64, 3):
+        eos, capacity = (128001, 128009), 4096
+
+        def setup(B=B):
+            state = decode_state(runtime.DEVICE, B, capacity, 0, eos)
+            picked = picked_tokens(runtime.DEVICE, B, eos)
+            calls = [0]
+
+            def cycling(thunk):
+                if thunk is None:
+                    return None
+
+                def call():
+                    # The step counts up to the capacity: start over before it runs out (the host counts).
+                    calls[0] += 1
+                    if calls[0] % (capacity - 1) == 0:
+                        state.step.zero_()
+                    thunk()
+                    return state
+                return call
+
+            def reference():
+                fresh = decode_state(runtime.DEVICE, B, capacity, 0, eos)
+                record_tokens_reference(picked, fresh, True)
+                return fresh
+
+            return Bench(peers.available({
+                "tritonformer": cycling(lambda: record_tokens(picked, state, True)),
+                "torch": cycling(lambda: record_tokens_reference(picked, state, True)),
+                "torch.compile": cycling(peers.compiled(record_tokens_reference, picked, state, True)),
+            }), reference=reference)
+
+        # Per sequence: the pick, done, finished_at, positions and lengths read and written, a token written twice.
+        moved = B * (8 + 2 * (1 + 8 + 8 + 4) + 16)
+        cases.append(BenchCase("record_tokens", "fwd", torch.int64, f"B{B}", B, setup, bytes=moved,
+                               plot="decode step bookkeeping", quick=B == 3, tolerance=torch.int32))
+    return cases
+
+
 LINEAR_SPEC = OpSpec(name="decode_linear", fn=decode_linear_outputs, reference=decode_linear_flat_reference,
                      test_cases=decode_linear_test_cases, bench_cases=decode_linear_bench_cases, compare="norm")
 SWIGLU_SPEC = OpSpec(name="decode_swiglu", fn=decode_swiglu_outputs, reference=decode_swiglu_flat_reference,
                      test_cases=decode_swiglu_test_cases, bench_cases=decode_swiglu_bench_cases, compare="norm")
 ARGMAX_SPEC = OpSpec(name="argmax", fn=argmax, reference=argmax_reference, test_cases=argmax_test_cases,
                      bench_cases=argmax_bench_cases)
+RECORD_TOKENS_SPEC = OpSpec(name="record_tokens", fn=record_tokens_outputs, reference=record_tokens_flat_reference,
+                            test_cases=record_tokens_test_cases, bench_cases=record_tokens_bench_cases)

@@ -380,7 +380,6 @@ _DEFAULT_POSITIONS: dict[tuple, torch.Tensor] = {}
 # of our kernel): the training forward sets this while it traces a forward given no positions,
 # mask or cache, and dynamo reads it as a constant. Eager calls never read it.
 _TRACING_DEFAULT_POSITIONS = False
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 ROTARY_CACHE = "_tritonformer_rotary"
 
 
@@ -433,7 +432,7 @@ def _rotary_forward(hf_forward):
     def forward(self, x, position_ids, *args, **kwargs):
         # Gemma 3's tables per layer type (a third argument) are HF's to make.
         if (args or kwargs or torch.compiler.is_compiling()
-                or getattr(self, "rope_type", None) not in STATIC_ROPE_TYPES
+                or getattr(self, "rope_type", None) not in decoding.STATIC_ROPE_TYPES
                 or position_ids is not _default_positions_like(position_ids)):
             return hf_forward(self, x, position_ids, *args, **kwargs)
         key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
