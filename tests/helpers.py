@@ -1,6 +1,7 @@
 import torch
 
 from conftest import ON_GPU
+from tritonformer import runtime
 
 
 def compile_fullgraph(fn):
@@ -32,3 +33,14 @@ def reference_attention(family: str) -> dict:
     """from_config's attention argument for HF's reference model of a family: HF's SDPA path drops
     Gemma 2's attention softcap, so its eager attention is the model as trained."""
     return {"attn_implementation": "eager"} if family == "gemma2" else {}
+
+
+def fresh_launchers(monkeypatch) -> None:
+    """Every launcher starts empty for this test (no compiled entry, chosen config or compile under
+    way), so that runtime.launch_keys() and launched_ahead() count only what the test runs."""
+    for launcher in runtime.FastLaunch.instances:
+        monkeypatch.setattr(launcher, "entries", {})
+        monkeypatch.setattr(launcher, "compiling", {})
+    for launcher in runtime.TunedLauncher.instances:
+        monkeypatch.setattr(launcher, "chosen", {})
+        monkeypatch.setattr(launcher, "compiling", {})

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tritonformer.nn
-from tritonformer import decoding
+from tritonformer import decoding, runtime
 from tritonformer.integrations import hf
 
 from conftest import gpu_only
-from helpers import reference_attention
+from helpers import fresh_launchers, reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -233,6 +233,52 @@ def test_the_decoder_is_kept_per_batch_and_released(device):
     assert decoding.DECODERS[model][1] is not kept
     decoding.release(model)
     assert model not in decoding.DECODERS
+
+
+@pytest.mark.parametrize("family, batch, do_sample", [("llama", 1, False), ("qwen3", 3, True), ("gemma2", 1, True),
+                                                     ("gemma3_text", 2, False)])
+def test_the_warm_up_readies_every_kernel_a_decode_step_launches(family, batch, do_sample, device, monkeypatch):
+    """What the decoder compiles while the prefill runs (its step in compile-only mode) covers every
+    kernel its first step launches, and a sampling decoder's warm-up draws nothing from torch's
+    generator (it runs on another thread)."""
+    fresh_launchers(monkeypatch)
+    model = _model(family, torch.bfloat16, device)
+    sampling = decoding.Sampling(do_sample, 0.8, 5 if do_sample else None, None)
+    decoder = decoding._decoder(model, batch, 40, sampling, (3,), 0, cuda_graph=False)
+    runtime.wait_for_background_work()  # on a GPU the decoder started its own warm-up
+    generator = (torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()).clone()
+    runtime.compile_only(decoder.warm_step)
+    runtime.wait_for_background_work()
+    assert torch.equal(torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state(), generator)
+    ahead = runtime.launched_ahead()
+    with torch.no_grad():
+        decoder.step()
+    launched = runtime.launch_keys()
+    assert len(launched) >= 6  # products, rope into the cache, attention (2), the final norm, record_tokens
+    assert launched <= ahead, sorted(map(str, launched - ahead))
+    decoding.release(model)
+
+
+# What each family's patched prefill launches at least: Llama's norms, rope, attention and SwiGLU;
+# Gemma 2's patch takes fewer of its modules.
+@pytest.mark.parametrize("family, kernels", [("llama", 4), ("gemma2", 2)])
+def test_ready_prefill_readies_every_kernel_the_prefill_launches(family, kernels, device, monkeypatch):
+    """generate's first call hands the prefill's kernels to the compile pool up front: its forward
+    in compile-only mode covers every kernel the real prefill launches."""
+    fresh_launchers(monkeypatch)
+    model = _model(family, torch.bfloat16, device)
+    hf.patch(model)
+    ids, mask = _ragged_prompt(device, (9, 5))
+    prefill = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_(min=0), use_cache=True,
+                   logits_to_keep=1)
+    with torch.no_grad():
+        decoding.ready_prefill(model, **prefill)
+        runtime.wait_for_background_work()
+        ahead = runtime.launched_ahead()
+        model(**prefill, past_key_values=transformers.DynamicCache())
+    launched = runtime.launch_keys()
+    assert len(launched) >= kernels
+    assert launched <= ahead, sorted(map(str, launched - ahead))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

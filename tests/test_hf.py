@@ -11,7 +11,7 @@ from tritonformer.integrations import hf
 from tritonformer.testing import assert_close, check_close
 
 from conftest import ON_GPU, gpu_only
-from helpers import graph_nodes, reference_attention
+from helpers import fresh_launchers, graph_nodes, reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -534,12 +534,7 @@ def test_the_warm_up_readies_every_kernel_a_first_step_launches(family, device, 
     # Launchers that start empty (and no plans: the fixture clears them), so that no launch
     # replays what an earlier test made: every kernel the step launches is counted. A sequence
     # length of each family's own besides.
-    for launcher in runtime.FastLaunch.instances:
-        monkeypatch.setattr(launcher, "entries", {})
-        monkeypatch.setattr(launcher, "compiling", {})
-    for launcher in runtime.TunedLauncher.instances:
-        monkeypatch.setattr(launcher, "chosen", {})
-        monkeypatch.setattr(launcher, "compiling", {})
+    fresh_launchers(monkeypatch)
     heads = 3
     # (Experts' widths kept small: the interpreter runs each expert's product tile by tile.)
     width = 8 * heads if hf.FAMILIES[family].moe else 64 * heads + 32

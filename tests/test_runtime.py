@@ -107,17 +107,21 @@ def test_tuning_times_candidates_as_launched_in_rounds_and_keeps_the_choice(monk
         fitted_for.append(config["BLOCK"])
         return (torch.empty(1),), {"fitted": True}
 
-    def bench(launch):
+    budgets = set()
+
+    def bench(launch, warmup_ms, rep_ms):
+        budgets.add((warmup_ms, rep_ms))
         block = fitted_for[-1]
         timed.append(block)
         return rounds[block][timed.count(block) - 1]
 
     monkeypatch.setattr(runtime, "_tuning_bench", bench)
 
-    def call(keep):
+    def call(keep, tuning_ms=(10, 40)):
         """(BLOCK launched, the BLOCKs compiled) of a fresh process's first call."""
         monkeypatch.setattr(runtime, "KEEP_TUNING", keep)
-        launcher = runtime.TunedLauncher(SimpleNamespace(fn=fn, configs=candidates, early_config_prune=None))
+        launcher = runtime.TunedLauncher(SimpleNamespace(fn=fn, configs=candidates, early_config_prune=None),
+                                         tuning_ms=tuning_ms)
         compiled = []
         launcher._compile_candidates = lambda key, grid, configs, *rest: compiled.extend(
             c.kwargs["BLOCK"] for c in configs)
@@ -131,6 +135,8 @@ def test_tuning_times_candidates_as_launched_in_rounds_and_keeps_the_choice(monk
     assert timed == [1, 2, 3, 4, 2, 4, 3, 2, 4, 3]
     assert call(keep=True) == (4, [4]) and timed == []  # read back: not timed, the choice compiled alone
     assert call(keep=False) == (4, [1, 2, 3, 4]) and len(timed) == 10  # timed again
+    assert budgets == {(10, 40)}
+    assert call(keep=False, tuning_ms=(2, 10))[0] == 4 and budgets == {(10, 40), (2, 10)}  # a launcher's own budget
 
 
 @pytest.mark.skipif(ON_GPU, reason="the case of a machine without a GPU")

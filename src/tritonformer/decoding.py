@@ -17,6 +17,7 @@ docs/generate.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 import weakref
@@ -75,6 +76,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 CACHE_BLOCK = 256
 # Tokens between the host's looks at the finished flags (each look is a synchronisation).
 HOST_CHECK_EVERY = 16
+# Keys of the decoders' background warm-ups (runtime.compile_ahead runs a key once).
+_WARM_UPS = itertools.count()
+# Models whose prefill kernels this process readied ahead (once a model: see ready_prefill).
+_PREFILLS_READIED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -144,6 +149,9 @@ class Sampling:
         float32 copies order alike); sampling works in float32."""
         if not self.do_sample:
             return argmax(logits)
+        if runtime.compiling_ahead():
+            # A warm-up from another thread must not draw from torch's generator (no kernel of ours follows).
+            return logits.argmax(dim=-1)
         logits = logits.float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -185,22 +193,21 @@ class _Decoder:
         # Past a sequence's length the cache is never read (poisoned in the tests).
         self.k_caches = [runtime.empty(shape, dtype, device) for _ in inner.layers]
         self.v_caches = [runtime.empty(shape, dtype, device) for _ in inner.layers]
-        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
-        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        # The step each sequence finished at (capacity while it runs).
-        self.finished_at = torch.zeros(batch, dtype=torch.long, device=device)
-        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
-        self.eos = torch.tensor(eos if eos else (-1,), dtype=torch.long, device=device)
-        self.pad = torch.tensor(pad, dtype=torch.long, device=device)
+        # The tensors each pick's bookkeeping (record_tokens) writes in place; the step reads tokens,
+        # positions and lengths. finished_at is the step a sequence finished at (capacity while it runs).
+        self.state = DecodeState(
+            out=torch.zeros(batch, capacity, dtype=torch.long, device=device),
+            done=torch.zeros(batch, dtype=torch.bool, device=device),
+            finished_at=torch.zeros(batch, dtype=torch.long, device=device),
+            tokens=torch.zeros(batch, dtype=torch.long, device=device),
+            positions=torch.zeros(batch, dtype=torch.long, device=device),
+            lengths=torch.zeros(batch, dtype=torch.int32, device=device),
+            step=torch.zeros(1, dtype=torch.long, device=device),
+            eos=torch.tensor(eos if eos else (-1,), dtype=torch.long, device=device),
+            pad=torch.tensor(pad, dtype=torch.long, device=device))
         self.capture = cuda_graph and device.type == "cuda"
         self.graph: CudaGraph | None = None
         self.rope_tables = self._rope_tables(inner, device, dtype)
-        # What record_tokens writes after each pick (pad for finished sequences, eos checks).
-        self.state = DecodeState(self.out, self.done, self.finished_at, self.tokens, self.positions, self.lengths,
-                                 self.step_index, self.eos, self.pad)
 
     def _rope_tables(self, inner: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
         """The model's cos and sin at every position of the cache, once ({layer type or None: (cos,
@@ -209,12 +216,11 @@ class _Decoder:
         batch 1, docs/generate.md)."""
         positions = torch.arange(self.capacity, device=device)[None]
         x = torch.empty(1, 1, 1, device=device, dtype=dtype)  # rotary_emb takes its dtype and device
-        if not self.family.rope_per_layer_type:
-            cos, sin = inner.rotary_emb(x, positions)
-            return {None: (cos[0], sin[0])}
+        # Gemma 3's rotary module takes a layer type and keeps a table per type; the others one table.
+        kinds = set(self.model().config.layer_types) if self.family.rope_per_layer_type else (None,)
         tables = {}
-        for kind in set(self.model().config.layer_types):
-            cos, sin = inner.rotary_emb(x, positions, kind)
+        for kind in kinds:
+            cos, sin = inner.rotary_emb(x, positions, *(() if kind is None else (kind,)))
             tables[kind] = (cos[0], sin[0])
         return tables
 
@@ -235,24 +241,38 @@ class _Decoder:
         for (keys, values), k_cache, v_cache in zip(prompt_keys, self.k_caches, self.v_caches):
             k_cache[:, :, :P].copy_(keys.gather(2, index))
             v_cache[:, :, :P].copy_(values.gather(2, index))
-        self.positions.copy_(lengths)
-        self.lengths.copy_(lengths + 1)
-        self.done.zero_()
-        self.finished_at.fill_(self.capacity)
-        self.step_index.zero_()
+        self.state.positions.copy_(lengths)
+        self.state.lengths.copy_(lengths + 1)
+        self.state.done.zero_()
+        self.state.finished_at.fill_(self.capacity)
+        self.state.step.zero_()
         record_tokens(first, self.state, advance=False)
 
     def _norm(self, module: torch.nn.Module) -> tuple[torch.Tensor, float, float]:
         """An HF RMSNorm's (weight, eps, offset), as rms_norm takes them."""
         return module.weight, getattr(module, self.family.norm_eps), self.family.norm_offset
 
+    def compile_ahead(self) -> None:
+        """Start compiling the step's kernels in the background (runtime.compile_ahead: its launches
+        only compile, every candidate of each product's tuning side by side) while the prefill runs:
+        run in order, each product's candidates compiled only once the previous product was tuned
+        (docs/generate.md, "First call"). Not for the MoE families: their routing's torch ops
+        would index by the unwritten outputs of kernels that a warm-up does not run."""
+        if not self.family.moe:
+            runtime.compile_ahead(("decode step", next(_WARM_UPS)), self.warm_step)
+
+    @torch.no_grad()  # grad mode is per thread, and the step's ops are inference ops
+    def warm_step(self) -> None:
+        """The step as compile_ahead runs it (in compile-only mode, launching nothing)."""
+        self.step()
+
     def step(self) -> None:
-        """One token a sequence: the model at self.tokens, the next token recorded."""
+        """One token a sequence: the model at self.state.tokens, the next token recorded."""
         B, H, Hkv, D = self.batch, self.heads, self.kv_heads, self.head_dim
         family, norm = self.family, self._norm
         model = self.model()
         inner = model.model
-        x = inner.embed_tokens(self.tokens)
+        x = inner.embed_tokens(self.state.tokens)
         mlp_out = residual = None
         for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
             attn, mlp = layer.self_attn, layer.mlp
@@ -266,9 +286,9 @@ class _Decoder:
                 q = rms_norm(q.view(B, H, D) if view else q, *norm(attn.q_norm))
                 k = rms_norm(k.view(B, Hkv, D) if view else k, *norm(attn.k_norm))
             q, k = q.view(B, H, D), k.view(B, Hkv, D)
-            q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.positions, k_cache, v_cache,
+            q = rope_into_cache(q, k, v.view(B, Hkv, D), cos, sin, self.state.positions, k_cache, v_cache,
                                 by_position=True)
-            o = decode_attention(q[:, :, None], k_cache, v_cache, self.lengths, attn.scaling, window,
+            o = decode_attention(q[:, :, None], k_cache, v_cache, self.state.lengths, attn.scaling, window,
                                  softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
             o, = _products(B, o.transpose(1, 2).reshape(B, H * D), attn.o_proj)
             if family.sandwich:
@@ -299,13 +319,13 @@ class _Decoder:
                 self.graph.replay()
             else:
                 self.step()
-            if (i + 1) % HOST_CHECK_EVERY == 0 and bool(self.done.all()):
+            if (i + 1) % HOST_CHECK_EVERY == 0 and bool(self.state.done.all()):
                 return
 
     def _capture(self) -> None:
         """Capture the step (recording, not running it), or leave it eager with a warning where a
         piece of the model cannot be captured (a host synchronisation: HF's own experts loop)."""
-        device = self.tokens.device
+        device = self.state.tokens.device
         runtime.wait_for_background_work()  # no compile thread may allocate during the capture
         try:
             self.graph = CudaGraph(self.step, (), {}, CudaGraph.new_pool(device), device)
@@ -317,8 +337,8 @@ class _Decoder:
     def tokens_made(self, steps: int) -> int:
         """How many tokens HF's generate would have returned: up to the step at which the last
         sequence finished, else all of them."""
-        if bool(self.done.all()):
-            return int(self.finished_at.max()) + 1
+        if bool(self.state.done.all()):
+            return int(self.state.finished_at.max()) + 1
         return steps
 
 
@@ -384,7 +404,22 @@ def _decoder(model, batch: int, needed: int, sampling: Sampling, eos: tuple[int,
     release(model)
     decoder = _Decoder(model, batch, capacity, sampling, eos, pad, cuda_graph)
     DECODERS[model] = (key, decoder)
+    decoder.compile_ahead()  # while the prefill runs
     return decoder
+
+
+def ready_prefill(model: torch.nn.Module, **inputs) -> None:
+    """Hand every kernel the prefill launches to the compile pool at once: the model's forward in
+    compile-only mode (runtime.compile_only: our launches only compile; torch's ops run, on
+    unwritten values, into a cache thrown away). Run for real, the prefill compiles each kernel as
+    it reaches it, one after the other (docs/generate.md, "First call"). generate runs it on a
+    model's first call in a process (the duplicate prefill's torch work is paid once). Not for the
+    MoE families (their routing's torch ops would index by unwritten values)."""
+    if FAMILIES[model.config.model_type].moe:
+        return
+    from transformers import DynamicCache
+
+    runtime.compile_only(model, **inputs, past_key_values=DynamicCache())
 
 
 def release(model: torch.nn.Module) -> None:
@@ -465,12 +500,16 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask = attention_mask.long()
         lengths = attention_mask.sum(dim=1)
         positions = (attention_mask.cumsum(dim=1) - 1).masked_fill_(attention_mask == 0, 1)
-    cache = DynamicCache()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    prefill = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                   logits_to_keep=1)
+    if not runtime.INTERPRET and model not in _PREFILLS_READIED:
+        _PREFILLS_READIED.add(model)
+        ready_prefill(model, **prefill)
     decoder = _decoder(model, B, P + max_new_tokens, sampling, eos, int(pad_token_id), cuda_graph)
+    cache = DynamicCache()
+    logits = model(**prefill, past_key_values=cache).logits[:, -1].float()
     decoder.start([(layer.keys, layer.values) for layer in cache.layers], lengths, sampling.pick(logits))
     del cache
     decoder.run(max_new_tokens - 1)
     made = decoder.tokens_made(max_new_tokens)
-    return torch.cat([input_ids, decoder.out[:, :made]], dim=1)
+    return torch.cat([input_ids, decoder.state.out[:, :made]], dim=1)

@@ -621,8 +621,9 @@ class TunedLauncher:
 
     instances: list["TunedLauncher"] = []
 
-    def __init__(self, autotuned):
+    def __init__(self, autotuned, tuning_ms: tuple[float, float] = (10, 40)):
         self.autotuned = autotuned
+        self.tuning_ms = tuning_ms  # do_bench's (warmup, rep) a candidate: see _tuning_bench
         self.launch = FastLaunch(autotuned.fn)
         self.chosen: dict[tuple, dict] = {}
         self.timings: dict[tuple, list[tuple[dict, float]]] = {}
@@ -713,7 +714,7 @@ class TunedLauncher:
                 # Through FastLaunch: JITFunction.run with host-made descriptors takes over 100 us
                 # of host time a call on the H100 machine, more than do_bench's L2 flush hides,
                 # and timed 1024^3 at 35-48 us for every config (GPU time 7-11).
-                return _tuning_bench(lambda: self.launch(c_grid, *c_args, **c_kwargs, **config))
+                return _tuning_bench(lambda: self.launch(c_grid, *c_args, **c_kwargs, **config), *self.tuning_ms)
             except (OutOfResources, CompileTimeAssertionFailure, PTXASError):
                 return math.inf
 
@@ -742,13 +743,14 @@ def _round_times(candidates: list, run_time: Callable) -> list[float]:
     return [sorted(r)[len(r) // 2] for r in rounds]
 
 
-def _tuning_bench(fn) -> float:
+def _tuning_bench(fn, warmup_ms: float, rep_ms: float) -> float:
     # Triton's default times each config for 25 + 100 ms; 10 + 40 ms still gives a kernel of
-    # 1 ms forty samples, and a first training step tunes a dozen configs. do_bench clears the L2
-    # before each run, as the benchmark does.
+    # 1 ms forty samples, and a first training step tunes a dozen configs (launchers of kernels
+    # of tens of us take less: TunedLauncher's tuning_ms). do_bench clears the L2 before each
+    # run, as the benchmark does.
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10, rep=40)
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms)
 
 
 class _TuningRecord:

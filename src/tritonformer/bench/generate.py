@@ -4,14 +4,16 @@ the memory roofline.
 
 Stacks (STACKS), each in a child process of its own: HF's generate with its dynamic cache
 ("hf-eager"), with its static cache (HF compiles the decode step: "hf-static"), the patched model
-through HF's static cache ("tritonformer+hf-static"), and the patched model's generate with HF's
+through HF's own generate with its dynamic cache (where a patched model's generate goes for the
+arguments tritonformer.generate does not take: "tritonformer+hf-eager") and with HF's static cache
+("tritonformer+hf-static"), and the patched model's generate with HF's
 default arguments, which runs tritonformer.generate ("tritonformer"; "tritonformer+nvfp4" with the
 layers' projections nvfp4, hf.patch(model, weights="nvfp4"), lm_head bf16). Cases: each batch size with each prompt length;
 batches above 1 get prompts of mixed lengths (left-padded, from half the prompt to all of it).
 A case's first call is its warm-up (compiles and graph capture included); then a call making
 NEW_TOKENS tokens is timed REPEATS times and one making 1 (the prefill) PREFILL_REPEATS times,
 and the decode time per token is the difference of their medians over NEW_TOKENS - 1 (the
-prefill is host-bound: 15-17 ms at batch 1 for 1.5 ms of GPU time, and a median of 3 moved the
+prefill is host-bound: 8.5-17 ms at batch 1 for 1.5 ms of GPU time, and a median of 3 moved the
 e2e model's batch-1 figure by 7%). The roofline is the
 bytes a decode step must read in bf16 (every weight past the embedding, lm_head included, plus
 the KV cache at the mean context) over the copy bandwidth measured in the same run (the nvfp4
@@ -20,6 +22,7 @@ stack reads fewer bytes: its % of that roofline can pass 100).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from .e2e import write_page
 
-STACKS = ("hf-eager", "hf-static", "tritonformer+hf-static", "tritonformer", "tritonformer+nvfp4")
+STACKS = ("hf-eager", "hf-static", "tritonformer+hf-eager", "tritonformer+hf-static", "tritonformer", "tritonformer+nvfp4")
 MODELS = {
     # The e2e model of ../shared/ANCHORS.md and the Llama-3-8B shape (issue 45).
     "e2e": dict(layers=8, hidden=2048, intermediate=8192, heads=16, kv_heads=4, vocab=128256),
@@ -106,12 +109,14 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
         hf.patch(model, weights="nvfp4" if stack.endswith("nvfp4") else None)
     options = dict(do_sample=False, cache_implementation="static") if stack.endswith("hf-static") else \
         dict(do_sample=False)
+    # The patched model's own generate takes tritonformer.generate; HF's generate is its class's.
+    generate = functools.partial(type(model).generate, model) if stack == "tritonformer+hf-eager" else model.generate
 
     def timed(ids, mask, n):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, **options)
+        out = generate(ids, attention_mask=mask, max_new_tokens=n, **options)
         if device.type == "cuda":
             torch.cuda.synchronize()
         assert out.shape[1] == ids.shape[1] + n, f"{stack} made {out.shape[1] - ids.shape[1]} tokens, not {n}"
@@ -186,7 +191,8 @@ def write_report(rows: list[dict], sizes: dict, ceilings: dict, out_dir: Path) -
     stem = f"generate-{sizes['model']}"
     (out_dir / f"{stem}.json").write_text(json.dumps(dict(sizes=sizes, ceilings=ceilings, rows=rows), indent=1))
     gbps = ceilings.get("copy_gbps")
-    static = {(r["batch"], r["prompt"]): r for r in rows if r.get("stack") == "hf-static" and "error" not in r}
+    bases = {stack: {(r["batch"], r["prompt"]): r for r in rows if r.get("stack") == stack and "error" not in r}
+             for stack in ("hf-static", "hf-eager")}
     lines = [
         f"# Generation: {sizes['model']} shape (Llama model from a config, random weights)", "",
         f"{sizes['layers']} layers, hidden {sizes['hidden']}, intermediate {sizes['intermediate']}, "
@@ -194,20 +200,23 @@ def write_report(rows: list[dict], sizes: dict, ceilings: dict, out_dir: Path) -
         f"tokens; device {ceilings.get('device')}, copy bandwidth "
         + (f"{gbps:.0f} GB/s" if gbps else "not measured") + ". Roofline: weights past the embedding plus the KV "
         "cache at the mean context, read once a step at that bandwidth.", "",
-        "| stack | batch | prompt | tokens/s | ms/token | roofline ms | % of roofline | vs hf-static | prefill ms | "
-        "warm-up s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stack | batch | prompt | tokens/s | ms/token | roofline ms | % of roofline | vs hf-static | vs hf-eager | "
+        "prefill ms | warm-up s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['stack']} | {r['error']} | | | | | | | | | |")
+            lines.append(f"| {r['stack']} | {r['error']} | | | | | | | | | | |")
             continue
         roof = r.get("roofline_ms")
-        base = static.get((r["batch"], r["prompt"]))
+        ratios = []
+        for stack in ("hf-static", "hf-eager"):
+            base = bases[stack].get((r["batch"], r["prompt"]))
+            ratios.append(f"{base['ms_per_token'] / r['ms_per_token']:.2f}x | " if base else "- | ")
         lines.append(
             f"| {r['stack']} | {r['batch']} | {r['prompt']} | {r['tokens_per_s']:.0f} | {r['ms_per_token']:.2f} | "
             + (f"{roof:.2f} | {roof / r['ms_per_token'] * 100:.0f}% | " if roof else "- | - | ")
-            + (f"{base['ms_per_token'] / r['ms_per_token']:.2f}x | " if base else "- | ")
+            + "".join(ratios)
             + f"{r['prefill_ms']:.1f} | {r['warmup_s']:.1f} | {r['peak_gib']:.2f} |")
     return write_page(out_dir, stem, lines, rows, _plot)
 

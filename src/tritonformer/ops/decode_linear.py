@@ -46,29 +46,27 @@ def _config(block_n, block_k, warps, stages):
                          num_stages=stages)
 
 
+# The candidates (BLOCK_N, BLOCK_K, warps, stages): a first generate call compiles and times each
+# for every product, so only those that won or came within 5% at one or 16 rows of the e2e model
+# and Llama-3-8B on the H200 (docs/generate.md, "First call"). One row streams narrow tiles: a
+# long-K weight of few rows (the e2e model's down projection, 2048 x 8192) must still make several
+# programs an SM; more rows take tl.dot over tiles of at least 16 rows.
+ONE_ROW_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3))
+DOT_TILES = ((16, 256, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3), (16, 512, 4, 3))
+
+
 def _configs():
-    """Weight tiles of BLOCK_N rows x BLOCK_K columns; the interpreter takes the first. One row
-    takes narrow tiles too: a long-K weight of few rows (the e2e model's down projection, 2048 x
-    8192) must still make several programs an SM (_prune)."""
+    """Both lists' tiles (_prune keeps a launch's own); the interpreter takes the first."""
     if runtime.INTERPRET:
         # The interpreter's cost is per program and op: wide tiles (a generate test 59 -> 20 s).
         return [_config(64, 128, 4, 1)]
-    return [
-        _config(4, 1024, 4, 3),
-        _config(8, 512, 4, 3),
-        _config(8, 1024, 8, 3),
-        _config(16, 512, 4, 3),
-        _config(16, 256, 4, 4),
-        _config(32, 256, 8, 3),
-        _config(16, 1024, 8, 2),
-        _config(32, 512, 8, 2),
-        _config(64, 128, 4, 3),
-    ]
+    return [_config(*tile) for tile in dict.fromkeys(ONE_ROW_TILES + DOT_TILES)]
 
 
 def _prune(configs, named_args, **kwargs):
-    # tl.dot (more than one row) takes tiles of at least 16 rows.
-    return [c for c in configs if kwargs["ONE_ROW"] or c.kwargs["BLOCK_N"] >= DOT_ROWS]
+    tiles = ONE_ROW_TILES if kwargs["ONE_ROW"] else DOT_TILES
+    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
+    return kept or configs[:1]
 
 
 @triton.jit
@@ -221,7 +219,8 @@ def _decode_linear_kernel(
                          LOOP_STAGES)
 
 
-_launch = runtime.TunedLauncher(_decode_linear_kernel)
+# Its kernels take 5-70 us: 2 + 10 ms of do_bench a candidate still gives each about 70 samples.
+_launch = runtime.TunedLauncher(_decode_linear_kernel, tuning_ms=(2, 10))
 
 
 def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, norm, residual) -> None:
