@@ -65,8 +65,7 @@ def _configs():
 
 def _prune(configs, named_args, **kwargs):
     tiles = ONE_ROW_TILES if kwargs["ONE_ROW"] else DOT_TILES
-    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
-    return kept or configs[:1]
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
 
 
 @triton.jit
