@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tritonformer  # noqa: F401  (before triton: picks the interpreter)
+from tritonformer import quant
 from tritonformer.ops.argmax import argmax
 from tritonformer.ops.decode_linear import MAX_ROWS, decode_linear, decode_linear_reference, decode_swiglu
 from tritonformer.testing import assert_close
@@ -121,3 +122,23 @@ def test_large_activations_do_not_overflow_fp16(device, rows):
     (expected,) = decode_linear_reference(x.double(), [w.double()], norm=(nw.double(), 1e-6, 0.0))
     assert torch.isfinite(y).all()
     assert_close(y, expected, torch.float16, "norm")
+
+
+def test_fp4_weights_bad_input_is_named(device):
+    x = torch.randn(1, 64, device=device).bfloat16()
+    w = torch.randn(16, 64, device=device)
+    nv, mx = quant.quantize(w, "nvfp4", axis=1), quant.quantize(w, "mxfp4", axis=1)
+    with pytest.raises(TypeError, match="all tensors or all QuantizedTensors of one of nvfp4, mxfp4"):
+        decode_linear(x, [nv, mx])
+    with pytest.raises(TypeError, match="all tensors or all QuantizedTensors"):
+        decode_linear(x, [nv, w.bfloat16()])
+    with pytest.raises(TypeError, match="'mxfp8'"):
+        decode_linear(x, [quant.quantize(w, "mxfp8", axis=1)])
+    with pytest.raises(ValueError, match="one bf16 row, got x torch.bfloat16 of 2 rows"):
+        decode_swiglu(x.expand(2, 64), nv, nv)
+    with pytest.raises(ValueError, match="one bf16 row, got x torch.float32"):
+        decode_linear(x.float(), [nv])
+    with pytest.raises(ValueError, match="quantized along K"):
+        decode_linear(x[:, :16], [quant.quantize(w.t().contiguous(), "nvfp4", axis=0)])
+    with pytest.raises(ValueError, match=r"weights\[0\] must be \(N, 32\)"):
+        decode_linear(x[:, :32], [nv])

@@ -135,7 +135,12 @@ def test_bf16_tokens_are_hfs_argmax_within_tolerance(device, lengths):
     sequence is within bf16 rounding of HF's largest (batch 1: the norms inside the products)."""
     model = _model("llama", dtype=torch.bfloat16, device=device)
     ids, mask = _ragged_prompt(device, lengths=lengths)
-    ours = decoding.generate(model, ids, mask, max_new_tokens=24)
+    _assert_hfs_argmax_within_tolerance(model, ids, mask, decoding.generate(model, ids, mask, max_new_tokens=24))
+
+
+def _assert_hfs_argmax_within_tolerance(model, ids, mask, ours):
+    """At every new position of ours, our token's logit in the model's teacher-forced forward is
+    within bf16 rounding of the largest."""
     full_mask = torch.cat([mask, torch.ones_like(ours[:, ids.shape[1]:])], dim=1)
     positions = (full_mask.cumsum(1) - 1).clamp_(min=0)
     logits = model(input_ids=ours, attention_mask=full_mask, position_ids=positions).logits.float()
@@ -330,6 +335,27 @@ def test_quantized_weights_decode_as_hfs_generate_of_the_same_model(device, fmt)
     ours = model.generate(ids, max_new_tokens=new)
     assert model in decoding.DECODERS, "the patched generate did not decode"
     assert torch.equal(ours, type(model).generate(model, ids, max_new_tokens=new))
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_weights_of_one_sequence_decode_through_decode_linear(device, fmt, monkeypatch):
+    """Batch 1 with fp4 weights: the layer products are decode_linear's (q, k and v in one launch,
+    the norms and SwiGLU inside) and the tokens are the model's teacher-forced argmax within bf16
+    tolerance."""
+    model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0)
+    hf.patch(model, weights=fmt)
+    launches, decode_linear = [], decoding.decode_linear
+
+    def counted(x, weights, *args, **kwargs):
+        launches.append(tuple(w.fmt for w in weights))
+        return decode_linear(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "decode_linear", counted)
+    ids = torch.randint(1, VOCAB, (1, 7), device=device)
+    ours = decoding.generate(model, ids, max_new_tokens=24, cuda_graph=False)
+    assert (fmt, fmt, fmt) in launches and (fmt,) in launches
+    _assert_hfs_argmax_within_tolerance(model, ids, torch.ones_like(ids), ours)
 
 
 def test_the_weights_option_names_what_it_cannot_take(device):

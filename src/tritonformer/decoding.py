@@ -30,7 +30,7 @@ from .capture import CudaGraph
 from .nn import QuantizedLinear
 from .ops.argmax import argmax
 from .ops.decode_attention import HEAD_DIMS, decode_attention
-from .ops.decode_linear import MAX_ROWS, decode_linear, decode_swiglu
+from .ops.decode_linear import FP4_FORMATS, MAX_ROWS, decode_linear, decode_swiglu
 from .ops.norm import add_rms_norm, rms_norm
 from .ops.record_tokens import DecodeState, record_tokens
 from .ops.rope import rope_into_cache
@@ -343,11 +343,15 @@ class _Decoder:
 
 
 def _plain(B: int, *linears: torch.nn.Module) -> bool:
-    """Whether decode_linear takes these projections for a step of B rows: plain nn.Linear (not
-    a block-scaled QuantizedLinear) without hooks (an adapter's), and few rows (beyond them
-    cuBLAS streams the weights well)."""
-    return B <= MAX_ROWS and all(type(linear) is torch.nn.Linear and not linear._forward_hooks
-                                 and not linear._forward_pre_hooks for linear in linears)
+    """Whether decode_linear takes these projections for a step of B rows: all plain nn.Linear
+    for few rows (beyond them cuBLAS streams the weights well), or all fp4 QuantizedLinear of one
+    format for one row (more rows go to scaled_matmul), none with hooks (an adapter's)."""
+    if any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears):
+        return False
+    if all(type(linear) is torch.nn.Linear for linear in linears):
+        return B <= MAX_ROWS
+    fmts = {linear.fmt if type(linear) is QuantizedLinear else None for linear in linears}
+    return B == 1 and len(fmts) == 1 and fmts <= set(FP4_FORMATS)
 
 
 def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
+from .. import quant, runtime
 from ..ops.argmax import argmax, argmax_reference
 from ..ops.decode_linear import decode_linear, decode_linear_reference, decode_swiglu, decode_swiglu_reference
 from ..ops.record_tokens import DecodeState, record_tokens, record_tokens_reference
+from ..ops.scaled_matmul import scaled_matmul
 from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
 from . import peers
 
@@ -48,21 +49,24 @@ def _norm_inputs(M, K, dtype, device, norm):
     return residual, weight
 
 
-def _inputs(M, K, Ns, dtype, device, biases=(), strided=False):
-    """x (M, K) and weights (N, K) scaled to unit outputs; biases for the weights listed; strided:
-    x a column slice of a wider tensor and the first weight with a non-unit column stride."""
+def _inputs(M, K, Ns, dtype, device, biases=(), strided=False, fmt=None):
+    """x (M, K) and weights (N, K) scaled to unit outputs (block-scaled in fmt when given); biases
+    for the weights listed; strided: x a column slice of a wider tensor and the first weight with
+    a non-unit column stride."""
     x = torch.randn(M, K + 3 if strided else K, device=device).to(dtype)[:, :K]
     ws = [(torch.randn(N, K, device=device) / K**0.5).to(dtype) for N in Ns]
     if strided:
         ws[0] = (torch.randn(K, Ns[0], device=device) / K**0.5).to(dtype).t()
+    if fmt:
+        ws = [quant.quantize(w, fmt, axis=1) for w in ws]
     bs = [torch.randn(N, device=device).to(dtype) if i in biases else None for i, N in enumerate(Ns)]
     return x, ws, bs
 
 
 def decode_linear_test_cases() -> list[TestCase]:
-    def case(id, dtype, M, K, Ns, biases=(), strided=False, norm=None, offset=0.0, gpu_only=False):
+    def case(id, dtype, M, K, Ns, biases=(), strided=False, norm=None, offset=0.0, gpu_only=False, fmt=None):
         def make(device):
-            x, ws, bs = _inputs(M, K, Ns, dtype, device, biases, strided)
+            x, ws, bs = _inputs(M, K, Ns, dtype, device, biases, strided, fmt)
             return (x, *_norm_inputs(M, K, dtype, device, norm), *ws, *bs), dict(weights=len(ws), offset=offset)
         return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only)
 
@@ -91,13 +95,23 @@ def decode_linear_test_cases() -> list[TestCase]:
              gpu_only=True),
         case("fp16-7x14336-llama-down", torch.float16, 7, 14336, (4096,), gpu_only=True),
     ]
+    # fp4 weights (one bf16 row): K off the interpreter's 128-code steps, or two of them.
+    bf16 = torch.bfloat16
+    cases += [
+        case("nvfp4-1x96-qkv-70/16/7-add-norm", bf16, 1, 96, (70, 16, 7), biases=(1,), norm="add", fmt="nvfp4"),
+        case("nvfp4-1x256-1-weight", bf16, 1, 256, (33,), fmt="nvfp4"),
+        case("mxfp4-1x160-2-weights-norm", bf16, 1, 160, (40, 9), norm="norm", offset=1.0, fmt="mxfp4"),
+        case("nvfp4-1x4096-llama-qkv-add-norm", bf16, 1, 4096, (4096, 1024, 1024), norm="add", fmt="nvfp4",
+             gpu_only=True),
+        case("mxfp4-1x14336-llama-down", bf16, 1, 14336, (4096,), biases=(0,), fmt="mxfp4", gpu_only=True),
+    ]
     return cases
 
 
 def decode_swiglu_test_cases() -> list[TestCase]:
-    def case(id, dtype, M, K, N, strided=False, norm=None, gpu_only=False):
+    def case(id, dtype, M, K, N, strided=False, norm=None, gpu_only=False, fmt=None):
         def make(device):
-            x, (w_gate, w_up), _ = _inputs(M, K, (N, N), dtype, device, strided=strided)
+            x, (w_gate, w_up), _ = _inputs(M, K, (N, N), dtype, device, strided=strided, fmt=fmt)
             return (x, *_norm_inputs(M, K, dtype, device, norm), w_gate, w_up), {}
         return TestCase(id, make, dtype, grad=False, gpu_only=gpu_only)
 
@@ -108,6 +122,10 @@ def decode_swiglu_test_cases() -> list[TestCase]:
         case("bf16-strided-2x96-40", torch.bfloat16, 2, 96, 40, strided=True),
         case("bf16-1x2048-8192-e2e", torch.bfloat16, 1, 2048, 8192, norm="add", gpu_only=True),
         case("bf16-16x4096-14336-llama", torch.bfloat16, 16, 4096, 14336, gpu_only=True),
+        case("nvfp4-1x96-50-add-norm", torch.bfloat16, 1, 96, 50, norm="add", fmt="nvfp4"),
+        case("mxfp4-1x256-50", torch.bfloat16, 1, 256, 50, fmt="mxfp4"),
+        case("nvfp4-1x4096-14336-llama-add-norm", torch.bfloat16, 1, 4096, 14336, norm="add", fmt="nvfp4",
+             gpu_only=True),
     ]
     return cases
 
@@ -175,12 +193,43 @@ def _products_bench_cases() -> list[BenchCase]:
     return cases
 
 
+def _fp4_products_bench_cases() -> list[BenchCase]:
+    """One bf16 row times nvfp4 weights of Llama-3-8B's layer against scaled_matmul (a launch a
+    weight, its one-row kernel) and torch on the bf16 weights the codes stand for."""
+    cases = []
+    shapes = [("llama3-8b qkv", 4096, (4096, 1024, 1024), False), ("llama3-8b o", 4096, (4096,), False),
+              ("llama3-8b gate/up", 4096, (14336, 14336), True), ("llama3-8b down", 14336, (4096,), False)]
+    if runtime.INTERPRET:
+        shapes = [("tiny qkv", 128, (64, 32, 32), False)]
+    for label, K, Ns, swiglu in shapes:
+        def setup(K=K, Ns=Ns, swiglu=swiglu):
+            x, ws, _ = _inputs(1, K, Ns, torch.bfloat16, runtime.DEVICE, fmt="nvfp4")
+            dense = [w.dequantize(torch.bfloat16) for w in ws]
+            if swiglu:
+                return Bench({"tritonformer": lambda: decode_swiglu(x, *ws),
+                              "scaled_matmul": lambda: torch.nn.functional.silu(scaled_matmul(x, ws[0]))
+                              * scaled_matmul(x, ws[1]),
+                              "torch bf16": lambda: decode_swiglu_reference(x, *dense)},
+                             reference=lambda: decode_swiglu_reference(x.double(), *ws))
+            return Bench({"tritonformer": lambda: decode_linear(x, ws),
+                          "scaled_matmul": lambda: [scaled_matmul(x, w) for w in ws],
+                          "torch bf16": lambda: decode_linear_reference(x, dense)},
+                         reference=lambda: decode_linear_reference(x.double(), ws))
+
+        op = "decode_swiglu" if swiglu else "decode_linear"
+        codes = K * sum(Ns)
+        cases.append(BenchCase(op, "fwd", torch.bfloat16, f"1x{label} nvfp4 {K}->{'+'.join(map(str, Ns))}", codes,
+                               setup, bytes=codes // 2 + codes // 16, plot="1 row nvfp4",
+                               quick=label.startswith("tiny")))
+    return cases
+
+
 def decode_linear_bench_cases() -> list[BenchCase]:
-    return [c for c in _products_bench_cases() if c.op == "decode_linear"]
+    return [c for c in _products_bench_cases() + _fp4_products_bench_cases() if c.op == "decode_linear"]
 
 
 def decode_swiglu_bench_cases() -> list[BenchCase]:
-    return [c for c in _products_bench_cases() if c.op == "decode_swiglu"]
+    return [c for c in _products_bench_cases() + _fp4_products_bench_cases() if c.op == "decode_swiglu"]
 
 
 def argmax_bench_cases() -> list[BenchCase]:

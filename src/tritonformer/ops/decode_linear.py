@@ -9,7 +9,9 @@ None or (N_i,)). Outputs (M, N_i) in x's dtype, accumulated in float32 and round
 (decode_swiglu's gate and up products are not rounded before the activation). Both take
 norm=(weight, eps, offset) to multiply rms_norm(x) instead of x (offset: Gemma's 1 + weight),
 and with it residual= for rms_norm(x + residual), the sum returned last (add_rms_norm's). All
-in the dtype of x. Inference only: no backward.
+in the dtype of x. Inference only: no backward. The weights may also be fp4 QuantizedTensors
+(nvfp4 or mxfp4 along K, all of one format) for one bf16 row (docs/generate.md, "Block-scaled
+weights").
 
 At M = 1 a product is a weight read: its floor is the weight's bytes at copy bandwidth. cuBLAS
 reaches about a third of that on a 2-8 MB weight (a layer's q, k, v and o) and one launch per
@@ -30,11 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import quant, runtime
+from ..quant import QuantizedTensor
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 16
 MAX_WEIGHTS = 3
+# Block-scaled weights that decode_linear and decode_swiglu take (one bf16 row).
+FP4_FORMATS = ("nvfp4", "mxfp4")
 # tl.dot's smallest tile: more than one row pads to 16.
 DOT_ROWS = 16
 
@@ -53,18 +58,21 @@ def _config(block_n, block_k, warps, stages):
 # programs an SM; more rows take tl.dot over tiles of at least 16 rows.
 ONE_ROW_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3))
 DOT_TILES = ((16, 256, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3), (16, 512, 4, 3))
+# fp4 weights (one row; BLOCK_K counts codes, eight an int32 word): about 16 words a thread an
+# iteration keep enough of the weight in flight (docs/generate.md, "Block-scaled weights").
+FP4_TILES = ((16, 1024, 4, 1), (8, 2048, 4, 1), (16, 2048, 4, 1))
 
 
 def _configs():
-    """Both lists' tiles (_prune keeps a launch's own); the interpreter takes the first."""
+    """All lists' tiles (_prune keeps a launch's own); the interpreter takes the first."""
     if runtime.INTERPRET:
         # The interpreter's cost is per program and op: wide tiles (a generate test 59 -> 20 s).
         return [_config(64, 128, 4, 1)]
-    return [_config(*tile) for tile in dict.fromkeys(ONE_ROW_TILES + DOT_TILES)]
+    return [_config(*tile) for tile in dict.fromkeys(ONE_ROW_TILES + DOT_TILES + FP4_TILES)]
 
 
 def _prune(configs, named_args, **kwargs):
-    tiles = ONE_ROW_TILES if kwargs["ONE_ROW"] else DOT_TILES
+    tiles = FP4_TILES if kwargs["W_FMT"] else ONE_ROW_TILES if kwargs["ONE_ROW"] else DOT_TILES
     return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
 
 
@@ -151,19 +159,128 @@ def _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw
 
 
 @triton.jit
+def _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, pairs, ok, NORM: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    """Columns 2p and 2p + 1 of one bf16 row given as int32 words (pairs p): x' (x + r rounded to
+    bf16 with RESIDUAL, stored to s where store_sum) in float32, the sum of their squares, and with
+    NORM x' (norm_offset + nw)."""
+    lo, hi = quant.bf16_pair_values(tl.load(x_ptr + pairs, mask=ok, other=0))
+    if RESIDUAL:
+        r_lo, r_hi = quant.bf16_pair_values(tl.load(r_ptr + pairs, mask=ok, other=0))
+        lo = (lo + r_lo).to(tl.bfloat16).to(tl.float32)
+        hi = (hi + r_hi).to(tl.bfloat16).to(tl.float32)
+        tl.store(s_ptr + pairs, quant.bf16_bits(lo) | (quant.bf16_bits(hi) << 16), mask=ok & store_sum)
+    squares = lo * lo + hi * hi
+    if NORM:
+        n_lo, n_hi = quant.bf16_pair_values(tl.load(nw_ptr + pairs, mask=ok, other=0))
+        lo = lo * (norm_offset + n_lo)
+        hi = hi * (norm_offset + n_hi)
+    return lo, hi, squares
+
+
+@triton.jit
+def _fp4_products(w_ptr, stride_wn, ws_ptr, stride_ws, rows, N, words, mask, k0, K, x0, x1, x2, x3, x4, x5, x6, x7,
+                  W_FMT: tl.constexpr, W_VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K // W_VEC) scaled block sums of fp4 weight rows times x's columns k0..k0 +
+    BLOCK_K (x_j: the columns 8 words + j), 2^-14 of their values (quant.e2m1_word_values)."""
+    codes = tl.load(w_ptr + rows[:, None] * stride_wn + words[None, :], mask=mask, other=0,
+                    eviction_policy="evict_first")
+    w0, w1, w2, w3, w4, w5, w6, w7 = quant.e2m1_word_values(codes)
+    products = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :] \
+        + w4 * x4[None, :] + w5 * x5[None, :] + w6 * x6[None, :] + w7 * x7[None, :]
+    products = tl.reshape(products, (BLOCK_N, BLOCK_K // W_VEC, W_VEC // 8))
+    scales = quant._block_scales(ws_ptr, rows, N, k0, K, stride_ws, W_FMT, W_VEC, BLOCK_K)
+    return tl.sum(products, axis=2) * scales
+
+
+@triton.jit
+def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_sum, K, N,
+                           w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr,
+                           offs_n, n_ok, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                           EVEN_K: tl.constexpr, W_FMT: tl.constexpr, W_VEC: tl.constexpr,
+                           TENSOR_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           LOOP_STAGES: tl.constexpr):
+    """_rows_times_weights for one bf16 row and fp4 weights (nvfp4 or mxfp4 codes as int32 words,
+    (N, K / 8), eight codes each, with their block scales and nvfp4's tensor scale): x, r, s and nw
+    come as int32 words of bf16 pairs, and a word of codes meets x's columns 8i..8i + 7 as eight
+    strided vectors, each decoded code multiplied in float32 (scaled_matmul's one-row kernel does
+    the same; docs/generate.md, "Block-scaled weights")."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    rows = offs_n.to(tl.int64)
+    acc_w = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
+    squares = tl.zeros((WORDS,), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        words = k0 // 8 + tl.arange(0, WORDS)
+        if EVEN_K:
+            ok = words >= 0
+        else:
+            ok = words < K // 8
+        mask = n_ok[:, None] & ok[None, :]
+        x0, x1, sq01 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4, ok, NORM, RESIDUAL)
+        x2, x3, sq23 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 1, ok, NORM,
+                                 RESIDUAL)
+        x4, x5, sq45 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 2, ok, NORM,
+                                 RESIDUAL)
+        x6, x7, sq67 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 3, ok, NORM,
+                                 RESIDUAL)
+        squares += sq01 + sq23 + sq45 + sq67
+        acc_w += _fp4_products(w_ptr, stride_wn, ws_ptr, stride_ws, rows, N, words, mask, k0, K, x0, x1, x2, x3, x4,
+                               x5, x6, x7, W_FMT, W_VEC, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_u += _fp4_products(u_ptr, stride_un, us_ptr, stride_us, rows, N, words, mask, k0, K, x0, x1, x2, x3,
+                                   x4, x5, x6, x7, W_FMT, W_VEC, BLOCK_N, BLOCK_K)
+    # The codes decoded to 2^-14 of their values.
+    row_w = tl.sum(acc_w, axis=1) * 16384.0
+    row_u = tl.sum(acc_u, axis=1) * 16384.0
+    if TENSOR_SCALE:
+        row_w = row_w * tl.load(wt_ptr)
+        if GATED:
+            row_u = row_u * tl.load(ut_ptr)
+    factor = 1.0
+    if NORM:
+        factor = tl.rsqrt(tl.sum(squares) / K + eps)
+    return row_w[None, :], row_u[None, :], factor
+
+
+@triton.jit
+def _tile_products(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum, M, K,
+                   N, w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr, offs_n,
+                   n_ok, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, ONE_ROW: tl.constexpr,
+                   EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, W_FMT: tl.constexpr,
+                   W_VEC: tl.constexpr, TENSOR_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """(x' w^T, x' u^T, factor) for weight rows offs_n: _row_times_fp4_weights for fp4 weights
+    (W_FMT), else _rows_times_weights."""
+    if W_FMT != "":
+        acc_w, acc_u, factor = _row_times_fp4_weights(
+            x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_sum, K, N, w_ptr, stride_wn, ws_ptr, stride_ws,
+            wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr, offs_n, n_ok, NORM, RESIDUAL, GATED, EVEN_K, W_FMT,
+            W_VEC, TENSOR_SCALE, BLOCK_N, BLOCK_K, LOOP_STAGES)
+    else:
+        acc_w, acc_u, factor = _rows_times_weights(
+            x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum, M, K, w_ptr,
+            stride_wn, u_ptr, stride_un, offs_n, n_ok, NORM, RESIDUAL, GATED, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+    return acc_w, acc_u, factor
+
+
+@triton.jit
 def _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum, M, K,
-                 w_ptr, stride_wn, b_ptr, y_ptr, stride_ym, N, tile,
+                 w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, b_ptr, y_ptr, stride_ym, N, tile,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, ONE_ROW: tl.constexpr,
-                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                 EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, W_FMT: tl.constexpr,
+                 W_VEC: tl.constexpr, TENSOR_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """Columns [tile * BLOCK_N, + BLOCK_N) of y = x' w^T (+ b), x' as _rows_times_weights has it
     and normalised."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc, _, factor = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset,
-                                         eps, store_sum, M, K, w_ptr, stride_wn, w_ptr, stride_wn, offs_n, n_ok, NORM,
-                                         RESIDUAL, False, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, LOOP_STAGES)
+    acc, _, factor = _tile_products(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps,
+                                    store_sum, M, K, N, w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, w_ptr, stride_wn,
+                                    ws_ptr, stride_ws, wt_ptr, offs_n, n_ok, NORM, RESIDUAL, False, ONE_ROW, EVEN_K,
+                                    UPCAST, INPUT_PRECISION, W_FMT, W_VEC, TENSOR_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    LOOP_STAGES)
     acc = acc * factor
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -175,26 +292,30 @@ def _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, n
 @runtime.autotune(configs=_configs(), prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, r_ptr, s_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
-    stride_xm, stride_rm, stride_sm, stride_w0, stride_w1, stride_w2, stride_y0, stride_y1, stride_y2,
-    M, K, N0, N1, N2, eps, norm_offset,
+    x_ptr, r_ptr, s_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, ws0_ptr, ws1_ptr, ws2_ptr, wt0_ptr, wt1_ptr, wt2_ptr,
+    b0_ptr, b1_ptr, b2_ptr, y0_ptr, y1_ptr, y2_ptr,
+    stride_xm, stride_rm, stride_sm, stride_w0, stride_w1, stride_w2, stride_ws0, stride_ws1, stride_ws2,
+    stride_y0, stride_y1, stride_y2, M, K, N0, N1, N2, eps, norm_offset,
     WEIGHTS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, HAS_BIAS2: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, W_FMT: tl.constexpr, W_VEC: tl.constexpr,
+    TENSOR_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """Programs take BLOCK_N rows of one weight: weight 0's tiles first, then 1's, then 2's. With
     SWIGLU, a program takes the same rows of w0 (gate) and w1 (up) and stores silu(g) * u to y0.
-    With RESIDUAL, program 0 stores x + r to s (every program reads the whole of x)."""
+    With RESIDUAL, program 0 stores x + r to s (every program reads the whole of x). With W_FMT
+    (fp4 weights, one row), ws_i are the weights' block scales and wt_i nvfp4's tensor scales."""
     pid = tl.program_id(0)
     store_sum = pid == 0
     if SWIGLU:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N0
-        g, u, factor = _rows_times_weights(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
-                                           norm_offset, eps, store_sum, M, K, w0_ptr, stride_w0, w1_ptr, stride_w1,
-                                            offs_n, n_ok, NORM, RESIDUAL, True, ONE_ROW, EVEN_K, UPCAST,
-                                            INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+        g, u, factor = _tile_products(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps,
+                                      store_sum, M, K, N0, w0_ptr, stride_w0, ws0_ptr, stride_ws0, wt0_ptr, w1_ptr,
+                                      stride_w1, ws1_ptr, stride_ws1, wt1_ptr, offs_n, n_ok, NORM, RESIDUAL, True,
+                                      ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, W_FMT, W_VEC, TENSOR_SCALE, BLOCK_M,
+                                      BLOCK_N, BLOCK_K, LOOP_STAGES)
         g = g * factor
         h = g / (1.0 + tl.exp(-g)) * (u * factor)
         offs_m = tl.arange(0, BLOCK_M)
@@ -205,24 +326,40 @@ def _decode_linear_kernel(
         tiles1 = tl.cdiv(N1, BLOCK_N)
         if pid < tiles0:
             _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
-                         M, K, w0_ptr, stride_w0, b0_ptr, y0_ptr, stride_y0, N0, pid, HAS_BIAS0, NORM, RESIDUAL,
-                         ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+                         M, K, w0_ptr, stride_w0, ws0_ptr, stride_ws0, wt0_ptr, b0_ptr, y0_ptr, stride_y0, N0, pid,
+                         HAS_BIAS0, NORM, RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, W_FMT, W_VEC,
+                         TENSOR_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
         elif WEIGHTS == 2 or pid < tiles0 + tiles1:
             _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
-                         M, K, w1_ptr, stride_w1, b1_ptr, y1_ptr, stride_y1, N1, pid - tiles0, HAS_BIAS1, NORM,
-                         RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
+                         M, K, w1_ptr, stride_w1, ws1_ptr, stride_ws1, wt1_ptr, b1_ptr, y1_ptr, stride_y1, N1,
+                         pid - tiles0, HAS_BIAS1, NORM, RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, W_FMT,
+                         W_VEC, TENSOR_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
         else:
             _linear_tile(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum,
-                         M, K, w2_ptr, stride_w2, b2_ptr, y2_ptr, stride_y2, N2, pid - tiles0 - tiles1, HAS_BIAS2,
-                         NORM, RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                         LOOP_STAGES)
+                         M, K, w2_ptr, stride_w2, ws2_ptr, stride_ws2, wt2_ptr, b2_ptr, y2_ptr, stride_y2, N2,
+                         pid - tiles0 - tiles1, HAS_BIAS2, NORM, RESIDUAL, ONE_ROW, EVEN_K, UPCAST, INPUT_PRECISION,
+                         W_FMT, W_VEC, TENSOR_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, LOOP_STAGES)
 
 
 # Its kernels take 5-70 us: 2 + 10 ms of do_bench a candidate still gives each about 70 samples.
 _launch = runtime.TunedLauncher(_decode_linear_kernel, tuning_ms=(2, 10))
 
 
-def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, norm, residual) -> None:
+def _check_fp4(x: torch.Tensor, weights: Sequence[QuantizedTensor]) -> None:
+    """Block-scaled weights: all of one fp4 format, quantized along K, times one bf16 row."""
+    fmts = {w.fmt if isinstance(w, QuantizedTensor) else None for w in weights}
+    if len(fmts) != 1 or not fmts <= set(FP4_FORMATS):
+        raise TypeError(f"weights must be all tensors or all QuantizedTensors of one of {', '.join(FP4_FORMATS)}, "
+                        f"got {sorted(map(str, fmts))}")
+    if x.dtype != torch.bfloat16 or x.shape[0] != 1:
+        raise ValueError(f"block-scaled weights take one bf16 row, got x {x.dtype} of {x.shape[0]} rows")
+    for i, w in enumerate(weights):
+        if w.axis != 1:
+            raise ValueError(f"weights[{i}] must be quantized along K (axis 1), got axis {w.axis}")
+        runtime.check_same_device(x=x, **{f"weights[{i}]": w.data})
+
+
+def _check(x: torch.Tensor, weights: Sequence, biases, norm, residual) -> None:
     runtime.check_tensor("x", x, DTYPES)
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be (M, K) with 1 <= M <= {MAX_ROWS} rows, got shape {tuple(x.shape)}")
@@ -231,7 +368,10 @@ def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, norm, resid
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"biases must be None or one per weight ({len(weights)}), got {len(biases)}")
     M, K = x.shape
-    named = {f"weights[{i}]": w for i, w in enumerate(weights)}
+    quantized = any(isinstance(w, QuantizedTensor) for w in weights)
+    if quantized:
+        _check_fp4(x, weights)
+    named = {} if quantized else {f"weights[{i}]": w for i, w in enumerate(weights)}
     named.update({f"biases[{i}]": b for i, b in enumerate(biases or ()) if b is not None})
     if norm is not None:
         if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
@@ -247,7 +387,7 @@ def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases, norm, resid
         runtime.check_tensor(name, t, (x.dtype,))
         runtime.check_same_device(x=x, **{name: t})
     for i, w in enumerate(weights):
-        if w.dim() != 2 or w.shape[1] != K:
+        if len(w.shape) != 2 or w.shape[1] != K:
             raise ValueError(f"weights[{i}] must be (N, {K}) for x of {K} columns, got shape {tuple(w.shape)}")
         b = None if biases is None else biases[i]
         if b is not None and tuple(b.shape) != (w.shape[0],):
@@ -265,17 +405,30 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def _fake_decode_products(x, weights, biases, norm_weight, eps, norm_offset, residual, swiglu):
+def _fake_decode_products(x, weights, fmt, weight_scales, tensor_scales, biases, norm_weight, eps, norm_offset,
+                          residual, swiglu):
     outs = [x.new_empty((x.shape[0], w.shape[0])) for w in (weights[:1] if swiglu else weights)]
     return outs + ([x.new_empty(x.shape)] if residual is not None else [])
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of rows with unit column stride as int32 words (two bf16 or eight fp4 codes each),
+    copied first where its rows do not start on aligned words."""
+    t = _unit_columns(t)
+    if t.data_ptr() % 4 or (t.dim() == 2 and t.stride(0) * t.element_size() % 4):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.int32)
+
+
 @runtime.custom_op("decode_products", fake=_fake_decode_products)
-def decode_products(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+def decode_products(x: torch.Tensor, weights: list[torch.Tensor], fmt: str, weight_scales: list[torch.Tensor],
+                    tensor_scales: list[torch.Tensor | None], biases: list[torch.Tensor | None],
                     norm_weight: torch.Tensor | None, eps: float, norm_offset: float, residual: torch.Tensor | None,
                     swiglu: bool) -> list[torch.Tensor]:
     """The launcher of decode_linear and decode_swiglu (checked arguments): the outputs, and with a
-    residual x + residual last."""
+    residual x + residual last. fmt "" (weight_scales and tensor_scales empty), or "nvfp4" or
+    "mxfp4": the weights are fp4 codes, (N, K / 2) bytes, with their block scales (and nvfp4's
+    tensor scales)."""
     norm = None if norm_weight is None else (norm_weight, eps, norm_offset)
     x = _unit_columns(x)
     weights = [_unit_columns(w) for w in weights]
@@ -292,19 +445,31 @@ def decode_products(x: torch.Tensor, weights: list[torch.Tensor], biases: list[t
             torch.add(x, residual, out=total)
         return outs + ([total] if total is not None else [])
     residual = x if residual is None else _unit_columns(residual)
-    norm_weight, eps, norm_offset = norm if norm is not None else (x, 0.0, 0.0)
-    pad = [weights[0]] * (MAX_WEIGHTS - len(weights))
-    ws = list(weights) + pad
-    bs = [b if b is not None else ws[0] for b in biases] + pad
-    ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    norm_weight = x if norm is None else norm_weight.contiguous()
     s = total if total is not None else x
-    Ns = [w.shape[0] for w in ws]
+    Ns = [w.shape[0] for w in weights]
     one_row = M == 1
+    key = (x.dtype, one_row, K, tuple(Ns), swiglu, norm is not None, total is not None, fmt, x.device.index)
     consts = dict(WEIGHTS=len(weights), HAS_BIAS0=biases[0] is not None,
                   HAS_BIAS1=len(biases) > 1 and biases[1] is not None,
                   HAS_BIAS2=len(biases) > 2 and biases[2] is not None, NORM=norm is not None,
                   RESIDUAL=total is not None, SWIGLU=swiglu, ONE_ROW=one_row, UPCAST=runtime.INTERPRET,
-                  INPUT_PRECISION=runtime.input_precision(x.dtype), BLOCK_M=1 if one_row else DOT_ROWS)
+                  INPUT_PRECISION=runtime.input_precision(x.dtype), W_FMT=fmt,
+                  W_VEC=quant.FORMATS[fmt][0] if fmt else 1, TENSOR_SCALE=fmt == "nvfp4",
+                  BLOCK_M=1 if one_row else DOT_ROWS)
+    if fmt:
+        # One bf16 row and fp4 codes, all as int32 words (_row_times_fp4_weights).
+        x, residual, s, norm_weight = (_words(t) for t in (x, residual, s, norm_weight))
+        weights = [_words(w) for w in weights]
+        weight_scales = [_unit_columns(t).view(torch.uint8) for t in weight_scales]
+        tensor_scales = [x if t is None else t for t in tensor_scales]
+    else:
+        weight_scales = tensor_scales = weights
+    pad = MAX_WEIGHTS - len(weights)
+    ws, scales, ts = (list(t) + [t[0]] * pad for t in (weights, weight_scales, tensor_scales))
+    bs = [b if b is not None else ws[0] for b in biases] + [ws[0]] * pad
+    ys = outs + [outs[0]] * (MAX_WEIGHTS - len(outs))
+    Ns += [Ns[0]] * pad
 
     def grid(config):
         return (sum(runtime.cdiv(n, config["BLOCK_N"]) for n in Ns[:n_weights]),)
@@ -312,10 +477,9 @@ def decode_products(x: torch.Tensor, weights: list[torch.Tensor], biases: list[t
     def even_k(config):
         return K % config["BLOCK_K"] == 0
 
-    key = (x.dtype, one_row, K, tuple(Ns[:len(weights)]), swiglu, norm is not None, total is not None,
-           x.device.index)
-    args = (x, residual, s, norm_weight.contiguous(), *ws, *bs, *ys, x.stride(0), residual.stride(0), s.stride(0),
-            *(w.stride(0) for w in ws), *(y.stride(0) for y in ys), M, K, *Ns, float(eps), float(norm_offset))
+    args = (x, residual, s, norm_weight, *ws, *scales, *ts, *bs, *ys, x.stride(0), residual.stride(0), s.stride(0),
+            *(w.stride(0) for w in ws), *(t.stride(0) for t in scales), *(y.stride(0) for y in ys), M, K, *Ns,
+            float(eps), float(norm_offset))
     _launch(key, grid, *args, **consts, fitted=lambda config: (args, dict(consts, EVEN_K=even_k(config))))
     return outs + ([total] if total is not None else [])
 
@@ -328,18 +492,26 @@ def _norm_args(norm) -> tuple[torch.Tensor | None, float, float]:
     return (None, 0.0, 0.0) if norm is None else (norm[0], float(norm[1]), float(norm[2]))
 
 
-def decode_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
+def _weight_args(weights: Sequence) -> tuple[list[torch.Tensor], str, list[torch.Tensor], list[torch.Tensor | None]]:
+    """decode_products' (weights, fmt, weight_scales, tensor_scales) for tensors or fp4 QuantizedTensors."""
+    if not isinstance(weights[0], QuantizedTensor):
+        return list(weights), "", [], []
+    return [w.data for w in weights], weights[0].fmt, [w.scales for w in weights], [w.tensor_scale for w in weights]
+
+
+def decode_linear(x: torch.Tensor, weights: Sequence[torch.Tensor | QuantizedTensor],
+                  biases: Sequence[torch.Tensor | None] | None = None,
                   norm: tuple[torch.Tensor, float, float] | None = None,
                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """x w_i^T + b_i for each of 1 to MAX_WEIGHTS weights, in one launch: see the module doc.
     norm = (weight, eps, offset): the products of rms_norm(x) instead (rms_norm's arguments);
     residual: of rms_norm(x + residual), the sum (rounded to x's dtype) returned after the outputs."""
     _check(x, weights, biases, norm, residual)
-    return tuple(decode_products(x, list(weights), _bias_list(biases, len(weights)), *_norm_args(norm), residual,
-                                 False))
+    return tuple(decode_products(x, *_weight_args(weights), _bias_list(biases, len(weights)), *_norm_args(norm),
+                                 residual, False))
 
 
-def decode_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+def decode_swiglu(x: torch.Tensor, w_gate: torch.Tensor | QuantizedTensor, w_up: torch.Tensor | QuantizedTensor,
                   norm: tuple[torch.Tensor, float, float] | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """silu(x w_gate^T) * (x w_up^T) in one launch: see the module doc. norm and residual as
@@ -347,7 +519,7 @@ def decode_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     _check(x, (w_gate, w_up), None, norm, residual)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
-    out = decode_products(x, [w_gate, w_up], [None, None], *_norm_args(norm), residual, True)
+    out = decode_products(x, *_weight_args((w_gate, w_up)), [None, None], *_norm_args(norm), residual, True)
     return out[0] if residual is None else tuple(out)
 
 
@@ -363,14 +535,20 @@ def _normed_reference(x, norm, residual):
     return x, total
 
 
+def _dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a tensor of dtype (a QuantizedTensor dequantized in float32 first)."""
+    return w.dequantize(torch.float32).to(dtype) if isinstance(w, QuantizedTensor) else w
+
+
 def decode_linear_reference(x, weights, biases=None, norm=None, residual=None):
     h, total = _normed_reference(x, norm, residual)
     biases = biases or [None] * len(weights)
-    outs = tuple(torch.nn.functional.linear(h, w, b) for w, b in zip(weights, biases))
+    outs = tuple(torch.nn.functional.linear(h, _dense(w, h.dtype), b) for w, b in zip(weights, biases))
     return outs if total is None else (*outs, total)
 
 
 def decode_swiglu_reference(x, w_gate, w_up, norm=None, residual=None):
     h, total = _normed_reference(x, norm, residual)
-    act = torch.nn.functional.silu(torch.nn.functional.linear(h, w_gate)) * torch.nn.functional.linear(h, w_up)
+    gate, up = (torch.nn.functional.linear(h, _dense(w, h.dtype)) for w in (w_gate, w_up))
+    act = torch.nn.functional.silu(gate) * up
     return act if total is None else (act, total)
