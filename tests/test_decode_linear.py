@@ -142,3 +142,18 @@ def test_fp4_weights_bad_input_is_named(device):
         decode_linear(x[:, :16], [quant.quantize(w.t().contiguous(), "nvfp4", axis=0)])
     with pytest.raises(ValueError, match=r"weights\[0\] must be \(N, 32\)"):
         decode_linear(x[:, :32], [nv])
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-6, 1e4, 1e7])
+def test_fp4_weights_keep_tiny_and_huge_activations(device, magnitude):
+    # The products run in bf16 on x scaled by 2^100: neither underflow nor overflow in bf16's range.
+    x = (torch.randn(1, 256, device=device) * magnitude).bfloat16()
+    r = (torch.randn(1, 256, device=device) * magnitude).bfloat16()
+    nw = (torch.rand(256, device=device) + 0.5).bfloat16()
+    w = quant.quantize(torch.randn(40, 256, device=device), "nvfp4", axis=1)
+    y, total = decode_linear(x, [w], norm=(nw, 1e-6, 0.0), residual=r)
+    (z,) = decode_linear(x, [w])
+    expected, _ = decode_linear_reference(x.double(), [w], norm=(nw.double(), 1e-6, 0.0), residual=r.double())
+    (plain,) = decode_linear_reference(x.double(), [w])
+    assert_close(y, expected, torch.bfloat16, "norm")
+    assert_close(z, plain, torch.bfloat16, "norm")

@@ -60,7 +60,7 @@ ONE_ROW_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3))
 DOT_TILES = ((16, 256, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3), (16, 512, 4, 3))
 # fp4 weights (one row; BLOCK_K counts codes, eight an int32 word): about 16 words a thread an
 # iteration keep enough of the weight in flight (docs/generate.md, "Block-scaled weights").
-FP4_TILES = ((16, 1024, 4, 1), (8, 2048, 4, 1), (16, 2048, 4, 1))
+FP4_TILES = ((8, 1024, 4, 1), (8, 2048, 4, 1), (4, 2048, 4, 1))
 
 
 def _configs():
@@ -179,18 +179,37 @@ def _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, pairs, ok, NO
 
 
 @triton.jit
-def _fp4_products(w_ptr, stride_wn, ws_ptr, stride_ws, rows, N, words, mask, k0, K, x0, x1, x2, x3, x4, x5, x6, x7,
-                  W_FMT: tl.constexpr, W_VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_N, BLOCK_K // W_VEC) scaled block sums of fp4 weight rows times x's columns k0..k0 +
-    BLOCK_K (x_j: the columns 8 words + j), 2^-14 of their values (quant.e2m1_word_values)."""
+def _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, MASK_K: tl.constexpr, W_FMT: tl.constexpr,
+              W_VEC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(codes, scales) of fp4 weight rows at columns k0..k0 + BLOCK_K: (rows, BLOCK_K // 8) int32
+    words and (rows, BLOCK_K // W_VEC) float32 block scales; with MASK_K, zeros past K."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = n_ok[:, None] & (words < K // 8)[None, :] if MASK_K else n_ok[:, None]
     codes = tl.load(w_ptr + rows[:, None] * stride_wn + words[None, :], mask=mask, other=0,
                     eviction_policy="evict_first")
-    w0, w1, w2, w3, w4, w5, w6, w7 = quant.e2m1_word_values(codes)
-    products = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :] \
-        + w4 * x4[None, :] + w5 * x5[None, :] + w6 * x6[None, :] + w7 * x7[None, :]
-    products = tl.reshape(products, (BLOCK_N, BLOCK_K // W_VEC, W_VEC // 8))
-    scales = quant._block_scales(ws_ptr, rows, N, k0, K, stride_ws, W_FMT, W_VEC, BLOCK_K)
-    return tl.sum(products, axis=2) * scales
+    return codes, quant._block_scales(ws_ptr, rows, N, k0, K, stride_ws, W_FMT, W_VEC, BLOCK_K)
+
+
+@triton.jit
+def _fp4_products(codes, scales, x_pairs0, x_pairs1, x_pairs2, x_pairs3, W_VEC: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K // W_VEC) scaled block sums of a _fp4_tile times x's columns, in units of
+    2^-126 (quant.e2m1_word_dot; x_pairs<p>: the columns 8 words + p and + p + 4)."""
+    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 8)
+    sums = quant.e2m1_word_dot(codes, tl.broadcast_to(x_pairs0[None, :], shape),
+                               tl.broadcast_to(x_pairs1[None, :], shape), tl.broadcast_to(x_pairs2[None, :], shape),
+                               tl.broadcast_to(x_pairs3[None, :], shape))
+    sums = tl.reshape(sums, (BLOCK_N, BLOCK_K // W_VEC, W_VEC // 8))
+    return tl.sum(sums, axis=2) * scales
+
+
+@triton.jit
+def _bf16_pairs(lo, hi):
+    """int32 words of (lo, hi) float32 times 2^100 rounded to bf16: the products' operand (see
+    _row_times_fp4_weights)."""
+    lo_bits = (lo * 2.0 ** 100).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = (hi * 2.0 ** 100).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo_bits | (hi_bits << 16)
 
 
 @triton.jit
@@ -198,25 +217,29 @@ def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_
                            w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr,
                            offs_n, n_ok, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                            EVEN_K: tl.constexpr, W_FMT: tl.constexpr, W_VEC: tl.constexpr,
-                           TENSOR_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           LOOP_STAGES: tl.constexpr):
+                           TENSOR_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """_rows_times_weights for one bf16 row and fp4 weights (nvfp4 or mxfp4 codes as int32 words,
     (N, K / 8), eight codes each, with their block scales and nvfp4's tensor scale): x, r, s and nw
-    come as int32 words of bf16 pairs, and a word of codes meets x's columns 8i..8i + 7 as eight
-    strided vectors, each decoded code multiplied in float32 (scaled_matmul's one-row kernel does
-    the same; docs/generate.md, "Block-scaled weights")."""
+    come as int32 words of bf16 pairs, and a word of codes meets x's columns 8i..8i + 7 as four
+    strided vectors of bf16 pairs. x' (x + r, times the norm weight; 1/rms comes at the end) is
+    worked on in float32 once a thread, then rounded to bf16 times 2^100 for the products, which
+    run in bf16x2 within a word (quant.e2m1_word_dot) and in float32 beyond it: x' of 2^-100 to
+    2^27 keeps them in bf16's normal range (docs/generate.md, "Block-scaled weights")."""
     WORDS: tl.constexpr = BLOCK_K // 8
+    MASK_K: tl.constexpr = not EVEN_K
     rows = offs_n.to(tl.int64)
     acc_w = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
     squares = tl.zeros((WORDS,), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+    for k0 in tl.range(0, K, BLOCK_K):
+        # Issued before the work on x, so that the weight is in flight during it.
+        w_codes, w_scales = _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, MASK_K, W_FMT, W_VEC,
+                                      BLOCK_K)
+        if GATED:
+            u_codes, u_scales = _fp4_tile(u_ptr, stride_un, us_ptr, stride_us, rows, n_ok, N, k0, K, MASK_K, W_FMT,
+                                          W_VEC, BLOCK_K)
         words = k0 // 8 + tl.arange(0, WORDS)
-        if EVEN_K:
-            ok = words >= 0
-        else:
-            ok = words < K // 8
-        mask = n_ok[:, None] & ok[None, :]
+        ok = words < K // 8 if MASK_K else words >= 0
         x0, x1, sq01 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4, ok, NORM, RESIDUAL)
         x2, x3, sq23 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 1, ok, NORM,
                                  RESIDUAL)
@@ -225,14 +248,13 @@ def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_
         x6, x7, sq67 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 3, ok, NORM,
                                  RESIDUAL)
         squares += sq01 + sq23 + sq45 + sq67
-        acc_w += _fp4_products(w_ptr, stride_wn, ws_ptr, stride_ws, rows, N, words, mask, k0, K, x0, x1, x2, x3, x4,
-                               x5, x6, x7, W_FMT, W_VEC, BLOCK_N, BLOCK_K)
+        p0, p1, p2, p3 = _bf16_pairs(x0, x4), _bf16_pairs(x1, x5), _bf16_pairs(x2, x6), _bf16_pairs(x3, x7)
+        acc_w += _fp4_products(w_codes, w_scales, p0, p1, p2, p3, W_VEC, BLOCK_N, BLOCK_K)
         if GATED:
-            acc_u += _fp4_products(u_ptr, stride_un, us_ptr, stride_us, rows, N, words, mask, k0, K, x0, x1, x2, x3,
-                                   x4, x5, x6, x7, W_FMT, W_VEC, BLOCK_N, BLOCK_K)
-    # The codes decoded to 2^-14 of their values.
-    row_w = tl.sum(acc_w, axis=1) * 16384.0
-    row_u = tl.sum(acc_u, axis=1) * 16384.0
+            acc_u += _fp4_products(u_codes, u_scales, p0, p1, p2, p3, W_VEC, BLOCK_N, BLOCK_K)
+    # The sums are 2^-126 of the codes' values times 2^100 of x'.
+    row_w = tl.sum(acc_w, axis=1) * 2.0 ** 26
+    row_u = tl.sum(acc_u, axis=1) * 2.0 ** 26
     if TENSOR_SCALE:
         row_w = row_w * tl.load(wt_ptr)
         if GATED:
@@ -256,7 +278,7 @@ def _tile_products(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
         acc_w, acc_u, factor = _row_times_fp4_weights(
             x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_sum, K, N, w_ptr, stride_wn, ws_ptr, stride_ws,
             wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr, offs_n, n_ok, NORM, RESIDUAL, GATED, EVEN_K, W_FMT,
-            W_VEC, TENSOR_SCALE, BLOCK_N, BLOCK_K, LOOP_STAGES)
+            W_VEC, TENSOR_SCALE, BLOCK_N, BLOCK_K)
     else:
         acc_w, acc_u, factor = _rows_times_weights(
             x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr, norm_offset, eps, store_sum, M, K, w_ptr,
