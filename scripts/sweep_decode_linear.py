@@ -32,7 +32,7 @@ def main():
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
-    p.add_argument("--fmt", default=None, help="fp4 weights (nvfp4 or mxfp4), one row")
+    p.add_argument("--fmt", default=None, choices=("nvfp4", "mxfp4"), help="fp4 weights: one row (--rows ignored)")
     a = p.parse_args()
     if a.fmt and a.configs == DEFAULT_CONFIGS:
         a.configs = FP4_CONFIGS

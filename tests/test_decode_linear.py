@@ -157,3 +157,17 @@ def test_fp4_weights_keep_tiny_and_huge_activations(device, magnitude):
     (plain,) = decode_linear_reference(x.double(), [w])
     assert_close(y, expected, torch.bfloat16, "norm")
     assert_close(z, plain, torch.bfloat16, "norm")
+
+
+def test_fp4_weights_without_tensor_scale_or_columns(device):
+    # nvfp4 without a tensor scale has a scale of 1 (as quant.dequantize); K = 0 gives the bias.
+    x = torch.randn(1, 64, device=device).bfloat16()
+    w = quant.quantize(torch.randn(24, 64, device=device), "nvfp4", axis=1)
+    unscaled = quant.QuantizedTensor(w.data, w.scales, w.fmt, w.shape, w.axis)
+    (y,) = decode_linear(x, [unscaled])
+    (expected,) = decode_linear_reference(x.double(), [unscaled])
+    assert_close(y, expected, torch.bfloat16, "norm")
+    empty = quant.quantize(torch.randn(8, 0, device=device), "nvfp4", axis=1)
+    bias = torch.randn(8, device=device).bfloat16()
+    (y,) = decode_linear(x[:, :0], [empty], [bias])
+    assert torch.equal(y, bias[None])

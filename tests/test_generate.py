@@ -345,16 +345,21 @@ def test_fp4_weights_of_one_sequence_decode_through_decode_linear(device, fmt, m
     tolerance."""
     model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0)
     hf.patch(model, weights=fmt)
-    launches, decode_linear = [], decoding.decode_linear
+    launches, decode_linear, decode_swiglu = [], decoding.decode_linear, decoding.decode_swiglu
 
-    def counted(x, weights, *args, **kwargs):
+    def counted_linear(x, weights, *args, **kwargs):
         launches.append(tuple(w.fmt for w in weights))
         return decode_linear(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(decoding, "decode_linear", counted)
+    def counted_swiglu(x, w_gate, w_up, *args, **kwargs):
+        launches.append(("swiglu", w_gate.fmt, w_up.fmt))
+        return decode_swiglu(x, w_gate, w_up, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "decode_linear", counted_linear)
+    monkeypatch.setattr(decoding, "decode_swiglu", counted_swiglu)
     ids = torch.randint(1, VOCAB, (1, 7), device=device)
     ours = decoding.generate(model, ids, max_new_tokens=24, cuda_graph=False)
-    assert (fmt, fmt, fmt) in launches and (fmt,) in launches
+    assert {(fmt, fmt, fmt), (fmt,), ("swiglu", fmt, fmt)} <= set(launches)
     _assert_hfs_argmax_within_tolerance(model, ids, torch.ones_like(ids), ours)
 
 
@@ -411,3 +416,10 @@ def test_olmoe_clips_q_k_and_v(device):
     ids, mask = _ragged_prompt(device, lengths=(6, 4))
     assert torch.equal(decoding.generate(model, ids, mask, max_new_tokens=6, pad_token_id=0),
                        _hf_generate(model, ids, mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0))
+
+
+def test_a_quantized_projection_with_a_float32_bias_stays_with_its_module(device):
+    # decode_linear takes biases in x's dtype; a QuantizedLinear may keep a float32 one.
+    linear = tritonformer.nn.QuantizedLinear(64, 16, "nvfp4", bias=True, device=device)
+    assert linear.bias.dtype == torch.float32 and not decoding._plain(1, linear)
+    assert decoding._plain(1, tritonformer.nn.QuantizedLinear(64, 16, "nvfp4", bias=False, device=device))

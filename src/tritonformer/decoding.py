@@ -351,7 +351,9 @@ def _plain(B: int, *linears: torch.nn.Module) -> bool:
     if all(type(linear) is torch.nn.Linear for linear in linears):
         return B <= MAX_ROWS
     fmts = {linear.fmt if type(linear) is QuantizedLinear else None for linear in linears}
-    return B == 1 and len(fmts) == 1 and fmts <= set(FP4_FORMATS)
+    # A QuantizedLinear's bias buffer may be float32; decode_linear's must be x's dtype.
+    biases = all(linear.bias is None or linear.bias.dtype == torch.bfloat16 for linear in linears)
+    return B == 1 and len(fmts) == 1 and fmts <= set(FP4_FORMATS) and biases
 
 
 def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:

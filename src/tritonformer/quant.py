@@ -564,12 +564,9 @@ cvt.f32.f16 $3, l3;
 """)
 
 
-# The eight e2m1 codes of an int32 word as four bf16x2 registers times a multiplier, for the
-# tensor cores (scaled_matmul's mma kernel): register p holds nibble p (low half) and nibble p + 4
-# (high half), so one shift places both. The sign goes to bit 15 and the 3 magnitude bits to
-# 8..6, which makes each half bf16 worth 2^-126 of its value (e2m1's 0.5 is bf16's subnormal
-# 2^-127): 15 integer instructions for 8 codes. Then one bf16x2 multiply by $5 (both halves the
-# multiplier m): the registers hold value * m * 2^-126.
+# Register p holds nibble p (low half) and nibble p + 4 (high half) of a word, so one shift places
+# both. The sign goes to bit 15 and the 3 magnitude bits to 8..6, which makes each half bf16 worth
+# 2^-126 of its value (e2m1's 0.5 is bf16's subnormal 2^-127): 15 integer instructions for 8 codes.
 def _e2m1_pair_ptx(word: str, p: int) -> list[str]:
     """PTX lines that leave in register h the bf16 pair of nibbles p and p + 4 of `word`, 2^-126
     of their values (registers a, b and h declared by the caller)."""
@@ -582,6 +579,9 @@ def _e2m1_pair_ptx(word: str, p: int) -> list[str]:
     return lines + [f"lop3.b32 h, {word}, 0x80008000, a, 0xEA;"]
 
 
+# The eight e2m1 codes of an int32 word as four bf16x2 registers (_e2m1_pair_ptx) times a
+# multiplier, for the tensor cores (scaled_matmul's mma kernel): one bf16x2 multiply by $5 (both
+# halves the multiplier m), so the registers hold value * m * 2^-126.
 def _e2m1_word_times_ptx(times_2_126: bool, halves: bool = False) -> str:
     """With halves, the eight bf16 come out as b16 registers $0..$7 (element i in $i) and the
     inputs are $8 and $9: the layout of Gluon's wgmma operand is built from single elements."""
@@ -645,15 +645,45 @@ def e2m1_word_dot(words, x_pairs0, x_pairs1, x_pairs2, x_pairs3):
                                           [words, x_pairs0, x_pairs1, x_pairs2, x_pairs3], dtype=tl.float32,
                                           is_pure=True, pack=1)
     else:
-        w0, w1, w2, w3, w4, w5, w6, w7 = e2m1_word_values(words)
-        x0, x4 = bf16_pair_values(x_pairs0)
-        x1, x5 = bf16_pair_values(x_pairs1)
-        x2, x6 = bf16_pair_values(x_pairs2)
-        x3, x7 = bf16_pair_values(x_pairs3)
-        # e2m1_word_values gives 2^-14 of the values: 2^-112 more. In two steps: x may be near 2^127.
-        total = (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3 + w4 * x4 + w5 * x5 + w6 * x6 + w7 * x7) * 2.0 ** -56 \
-            * 2.0 ** -56
+        # The same arithmetic: each half's products and sums rounded to bf16, 2^-126 of the values
+        # (e2m1_word_values gives 2^-14: float32's subnormals hold the rest exactly).
+        w = e2m1_word_values(words)
+        x_lo0, x_hi0 = bf16_pair_values(x_pairs0)
+        x_lo1, x_hi1 = bf16_pair_values(x_pairs1)
+        x_lo2, x_hi2 = bf16_pair_values(x_pairs2)
+        x_lo3, x_hi3 = bf16_pair_values(x_pairs3)
+        lo = round_to_bf16(w[0] * 2.0 ** -112 * x_lo0)
+        hi = round_to_bf16(w[4] * 2.0 ** -112 * x_hi0)
+        lo = round_to_bf16(w[1] * 2.0 ** -112 * x_lo1 + lo)
+        hi = round_to_bf16(w[5] * 2.0 ** -112 * x_hi1 + hi)
+        lo = round_to_bf16(w[2] * 2.0 ** -112 * x_lo2 + lo)
+        hi = round_to_bf16(w[6] * 2.0 ** -112 * x_hi2 + hi)
+        lo = round_to_bf16(w[3] * 2.0 ** -112 * x_lo3 + lo)
+        hi = round_to_bf16(w[7] * 2.0 ** -112 * x_hi3 + hi)
+        total = lo + hi
     return total
+
+
+@triton.jit
+def round_to_bf16(values):
+    """float32 values rounded to bf16 (to nearest even; past bf16's largest, infinity), as float32:
+    the GPU's conversion; under the interpreter, whose bf16 casts truncate, by the bits."""
+    if runtime.COMPILED:
+        rounded = values.to(tl.bfloat16).to(tl.float32)
+    else:
+        bits = values.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return rounded
+
+
+def int32_words(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with unit column stride (bf16 rows, fp4 code bytes) as int32 words of its last
+    dimension, copied first where its rows do not start on aligned words (kernels load words)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1 or t.data_ptr() % 4 or any(
+            st * t.element_size() % 4 for st in t.stride()[:-1]):
+        # clone's default keeps a transposed tensor transposed; contiguous() keeps a one-row view's odd stride.
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.int32)
 
 
 @triton.jit

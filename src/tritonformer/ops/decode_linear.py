@@ -58,7 +58,7 @@ def _config(block_n, block_k, warps, stages):
 # programs an SM; more rows take tl.dot over tiles of at least 16 rows.
 ONE_ROW_TILES = ((4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3))
 DOT_TILES = ((16, 256, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3), (16, 512, 4, 3))
-# fp4 weights (one row; BLOCK_K counts codes, eight an int32 word): about 16 words a thread an
+# fp4 weights (one row; BLOCK_K counts codes, eight an int32 word): 8-16 words a thread an
 # iteration keep enough of the weight in flight (docs/generate.md, "Block-scaled weights").
 FP4_TILES = ((8, 1024, 4, 1), (8, 2048, 4, 1), (4, 2048, 4, 1))
 
@@ -179,12 +179,12 @@ def _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, pairs, ok, NO
 
 
 @triton.jit
-def _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, MASK_K: tl.constexpr, W_FMT: tl.constexpr,
+def _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, EVEN_K: tl.constexpr, W_FMT: tl.constexpr,
               W_VEC: tl.constexpr, BLOCK_K: tl.constexpr):
     """(codes, scales) of fp4 weight rows at columns k0..k0 + BLOCK_K: (rows, BLOCK_K // 8) int32
-    words and (rows, BLOCK_K // W_VEC) float32 block scales; with MASK_K, zeros past K."""
+    words and (rows, BLOCK_K // W_VEC) float32 block scales, zeros past K."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = n_ok[:, None] & (words < K // 8)[None, :] if MASK_K else n_ok[:, None]
+    mask = n_ok[:, None] if EVEN_K else n_ok[:, None] & (words < K // 8)[None, :]
     codes = tl.load(w_ptr + rows[:, None] * stride_wn + words[None, :], mask=mask, other=0,
                     eviction_policy="evict_first")
     return codes, quant._block_scales(ws_ptr, rows, N, k0, K, stride_ws, W_FMT, W_VEC, BLOCK_K)
@@ -204,12 +204,11 @@ def _fp4_products(codes, scales, x_pairs0, x_pairs1, x_pairs2, x_pairs3, W_VEC: 
 
 
 @triton.jit
-def _bf16_pairs(lo, hi):
-    """int32 words of (lo, hi) float32 times 2^100 rounded to bf16: the products' operand (see
-    _row_times_fp4_weights)."""
-    lo_bits = (lo * 2.0 ** 100).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_bits = (hi * 2.0 ** 100).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-    return lo_bits | (hi_bits << 16)
+def _scaled_x_pairs(lo, hi):
+    """int32 words of bf16 pairs (lo, hi) of float32 x' times 2^100, rounded: the operand of the
+    products (see _row_times_fp4_weights)."""
+    return quant.bf16_bits(quant.round_to_bf16(lo * 2.0 ** 100)) \
+        | (quant.bf16_bits(quant.round_to_bf16(hi * 2.0 ** 100)) << 16)
 
 
 @triton.jit
@@ -226,20 +225,19 @@ def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_
     run in bf16x2 within a word (quant.e2m1_word_dot) and in float32 beyond it: x' of 2^-100 to
     2^27 keeps them in bf16's normal range (docs/generate.md, "Block-scaled weights")."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    MASK_K: tl.constexpr = not EVEN_K
     rows = offs_n.to(tl.int64)
     acc_w = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // W_VEC), tl.float32)
     squares = tl.zeros((WORDS,), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
         # Issued before the work on x, so that the weight is in flight during it.
-        w_codes, w_scales = _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, MASK_K, W_FMT, W_VEC,
+        w_codes, w_scales = _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, EVEN_K, W_FMT, W_VEC,
                                       BLOCK_K)
         if GATED:
-            u_codes, u_scales = _fp4_tile(u_ptr, stride_un, us_ptr, stride_us, rows, n_ok, N, k0, K, MASK_K, W_FMT,
+            u_codes, u_scales = _fp4_tile(u_ptr, stride_un, us_ptr, stride_us, rows, n_ok, N, k0, K, EVEN_K, W_FMT,
                                           W_VEC, BLOCK_K)
         words = k0 // 8 + tl.arange(0, WORDS)
-        ok = words < K // 8 if MASK_K else words >= 0
+        ok = tl.full((WORDS,), True, tl.int1) if EVEN_K else words < K // 8
         x0, x1, sq01 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4, ok, NORM, RESIDUAL)
         x2, x3, sq23 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 1, ok, NORM,
                                  RESIDUAL)
@@ -248,7 +246,8 @@ def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, eps, store_
         x6, x7, sq67 = _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, words * 4 + 3, ok, NORM,
                                  RESIDUAL)
         squares += sq01 + sq23 + sq45 + sq67
-        p0, p1, p2, p3 = _bf16_pairs(x0, x4), _bf16_pairs(x1, x5), _bf16_pairs(x2, x6), _bf16_pairs(x3, x7)
+        p0, p1, p2, p3 = (_scaled_x_pairs(x0, x4), _scaled_x_pairs(x1, x5), _scaled_x_pairs(x2, x6),
+                          _scaled_x_pairs(x3, x7))
         acc_w += _fp4_products(w_codes, w_scales, p0, p1, p2, p3, W_VEC, BLOCK_N, BLOCK_K)
         if GATED:
             acc_u += _fp4_products(u_codes, u_scales, p0, p1, p2, p3, W_VEC, BLOCK_N, BLOCK_K)
@@ -378,7 +377,8 @@ def _check_fp4(x: torch.Tensor, weights: Sequence[QuantizedTensor]) -> None:
     for i, w in enumerate(weights):
         if w.axis != 1:
             raise ValueError(f"weights[{i}] must be quantized along K (axis 1), got axis {w.axis}")
-        runtime.check_same_device(x=x, **{f"weights[{i}]": w.data})
+        parts = {"": w.data, " scales": w.scales, " tensor scale": w.tensor_scale}
+        runtime.check_same_device(x=x, **{f"weights[{i}]{part}": t for part, t in parts.items() if t is not None})
 
 
 def _check(x: torch.Tensor, weights: Sequence, biases, norm, residual) -> None:
@@ -433,15 +433,6 @@ def _fake_decode_products(x, weights, fmt, weight_scales, tensor_scales, biases,
     return outs + ([x.new_empty(x.shape)] if residual is not None else [])
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of rows with unit column stride as int32 words (two bf16 or eight fp4 codes each),
-    copied first where its rows do not start on aligned words."""
-    t = _unit_columns(t)
-    if t.data_ptr() % 4 or (t.dim() == 2 and t.stride(0) * t.element_size() % 4):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t.view(torch.int32)
-
-
 @runtime.custom_op("decode_products", fake=_fake_decode_products)
 def decode_products(x: torch.Tensor, weights: list[torch.Tensor], fmt: str, weight_scales: list[torch.Tensor],
                     tensor_scales: list[torch.Tensor | None], biases: list[torch.Tensor | None],
@@ -481,10 +472,12 @@ def decode_products(x: torch.Tensor, weights: list[torch.Tensor], fmt: str, weig
                   BLOCK_M=1 if one_row else DOT_ROWS)
     if fmt:
         # One bf16 row and fp4 codes, all as int32 words (_row_times_fp4_weights).
-        x, residual, s, norm_weight = (_words(t) for t in (x, residual, s, norm_weight))
-        weights = [_words(w) for w in weights]
+        x, residual, s, norm_weight = (quant.int32_words(t) for t in (x, residual, s, norm_weight))
+        weights = [quant.int32_words(w) for w in weights]
         weight_scales = [_unit_columns(t).view(torch.uint8) for t in weight_scales]
-        tensor_scales = [x if t is None else t for t in tensor_scales]
+        # An nvfp4 tensor without a tensor scale has a scale of 1 (quant.dequantize).
+        tensor_scales = [x if fmt == "mxfp4" else t if t is not None else torch.ones((), device=x.device)
+                         for t in tensor_scales]
     else:
         weight_scales = tensor_scales = weights
     pad = MAX_WEIGHTS - len(weights)
@@ -518,7 +511,9 @@ def _weight_args(weights: Sequence) -> tuple[list[torch.Tensor], str, list[torch
     """decode_products' (weights, fmt, weight_scales, tensor_scales) for tensors or fp4 QuantizedTensors."""
     if not isinstance(weights[0], QuantizedTensor):
         return list(weights), "", [], []
-    return [w.data for w in weights], weights[0].fmt, [w.scales for w in weights], [w.tensor_scale for w in weights]
+    # (N, K / 2) bytes of codes: a view, which also gives N rows where K is 0.
+    codes = [w.data.view(torch.uint8).reshape(w.shape[0], w.shape[1] // 2) for w in weights]
+    return codes, weights[0].fmt, [w.scales for w in weights], [w.tensor_scale for w in weights]
 
 
 def decode_linear(x: torch.Tensor, weights: Sequence[torch.Tensor | QuantizedTensor],

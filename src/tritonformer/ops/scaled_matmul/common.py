@@ -1,12 +1,10 @@
 """What scaled_matmul's kernel paths share: split-K for grids of few output tiles, the launch of
-a path with its replay, and x as int32 words of bf16 pairs. See docs/scaled_matmul.md."""
+a path with its replay. See docs/scaled_matmul.md."""
 
 from __future__ import annotations
 
 import functools
 from typing import Callable
-
-import torch
 
 from ... import runtime
 
@@ -37,12 +35,3 @@ def launch_with_replay(launch: runtime.FastLaunch, plan: tuple, arguments: Calla
 
 def _replay(launch: runtime.FastLaunch, plan: tuple, arguments: Callable, entry: tuple, *call) -> None:
     launch.replay(entry, plan[0], *arguments(plan, *call))
-
-
-def bf16_words(x: torch.Tensor) -> torch.Tensor:
-    """bf16 x (M, K) as (M, K / 2) int32 words of pairs, copied first when its rows do not start
-    on aligned words (the kernels load x's words)."""
-    if x.stride(1) != 1 or x.data_ptr() % 4 or x.stride(0) % 2:
-        # clone's default keeps a transposed x transposed; contiguous() keeps a one-row view's odd stride.
-        x = x.clone(memory_format=torch.contiguous_format)
-    return x.view(torch.int32)

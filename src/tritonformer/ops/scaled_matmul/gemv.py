@@ -13,7 +13,7 @@ import triton.language as tl
 from ... import quant, runtime
 from ...quant import QuantizedTensor
 from ..gemm import epilogue_store, split_k_total
-from .common import bf16_words, launch_with_replay, split_k
+from .common import launch_with_replay, split_k
 
 # Rows of a bf16 A that _gemv_kernel takes: one.
 GEMV_MAX_M = 1
@@ -106,5 +106,5 @@ def _arguments(plan, x, b, c, M, N, K, bias, tensor_scale) -> tuple:
     grid, split, k_per_split = plan
     b_data = b.data.view(torch.int32)
     ws, counters = runtime.split_k_scratch(c, split, split * N, grid[0])  # one row
-    return (bf16_words(x), b_data, b.scales.view(torch.uint8), c, ws, counters, bias if bias is not None else c,
+    return (quant.int32_words(x), b_data, b.scales.view(torch.uint8), c, ws, counters, bias if bias is not None else c,
             tensor_scale if tensor_scale is not None else c, N, K, k_per_split, b_data.stride(0), b.scales.stride(0))

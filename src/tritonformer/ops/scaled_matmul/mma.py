@@ -16,7 +16,7 @@ import triton.language as tl
 from ... import quant, runtime
 from ...quant import QuantizedTensor
 from ..gemm import epilogue_store, split_k_total
-from .common import bf16_words, launch_with_replay, split_k
+from .common import launch_with_replay, split_k
 
 # Rows of a bf16 A up to which fp4 weights take _mma_kernel.
 MMA_MAX_M = 64
@@ -297,7 +297,7 @@ def run(x, b: QuantizedTensor, c, M, N, K, bias, tensor_scale) -> Callable | Non
 
 def _arguments(plan, x, b, c, M, N, K, bias, tensor_scale) -> tuple:
     grid, split, steps_per_split = plan
-    x_words = bf16_words(x)
+    x_words = quant.int32_words(x)
     b_data = b.data.view(torch.int32)
     ws, counters = runtime.split_k_scratch(c, split, split * M * N, grid[0])
     return (x_words, b_data, b.scales.view(torch.uint8), c, ws, counters, bias if bias is not None else c,
