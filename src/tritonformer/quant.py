@@ -699,11 +699,18 @@ def bf16_pair_values(pairs):
 
 
 @triton.jit
+def bf16_pair_bits(lo, hi):
+    """int32 words holding the bf16 bits of float32 lo (low half) and hi (high half), values that
+    bf16 holds exactly: bf16_pair_values' inverse."""
+    return bf16_bits(lo) | (bf16_bits(hi) << 16)
+
+
+@triton.jit
 def _scaled_nibble_pair(words, SHIFT: tl.constexpr, scale):
     """bf16 pair of the nibbles at bits SHIFT (low half) and SHIFT + 16 (high half) times scale."""
     lo = _nibble_value(words, SHIFT) * 16384.0 * scale
     hi = _nibble_value(words, SHIFT + 16) * 16384.0 * scale
-    return bf16_bits(lo) | (bf16_bits(hi) << 16)
+    return bf16_pair_bits(lo, hi)
 
 
 @triton.jit

@@ -169,7 +169,7 @@ def _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, pairs, ok, NO
         r_lo, r_hi = quant.bf16_pair_values(tl.load(r_ptr + pairs, mask=ok, other=0))
         lo = (lo + r_lo).to(tl.bfloat16).to(tl.float32)
         hi = (hi + r_hi).to(tl.bfloat16).to(tl.float32)
-        tl.store(s_ptr + pairs, quant.bf16_bits(lo) | (quant.bf16_bits(hi) << 16), mask=ok & store_sum)
+        tl.store(s_ptr + pairs, quant.bf16_pair_bits(lo, hi), mask=ok & store_sum)
     squares = lo * lo + hi * hi
     if NORM:
         n_lo, n_hi = quant.bf16_pair_values(tl.load(nw_ptr + pairs, mask=ok, other=0))
@@ -207,8 +207,7 @@ def _fp4_products(codes, scales, x_pairs0, x_pairs1, x_pairs2, x_pairs3, W_VEC: 
 def _scaled_x_pairs(lo, hi):
     """int32 words of bf16 pairs (lo, hi) of float32 x' times 2^100, rounded: the operand of the
     products (see _row_times_fp4_weights)."""
-    return quant.bf16_bits(quant.round_to_bf16(lo * 2.0 ** 100)) \
-        | (quant.bf16_bits(quant.round_to_bf16(hi * 2.0 ** 100)) << 16)
+    return quant.bf16_pair_bits(quant.round_to_bf16(lo * 2.0 ** 100), quant.round_to_bf16(hi * 2.0 ** 100))
 
 
 @triton.jit
