@@ -4,6 +4,7 @@ step runs them. On the GPU machine:
 
     PYTHONPATH=src python3 scripts/sweep_decode_linear.py [--model e2e|llama3-8b] [--rows 1]
         [--configs BNxBK:wW:sS,...] [--shapes qkv,o,gate_up,down] [--fmt nvfp4|mxfp4]
+        (with --fmt also the chained products: qkv_chained, o_chained, gate_up_chained, down_chained)
 
 Prints each config's time and weight bytes a second, and the best per shape; with --fmt (one row,
 fp4 weights) also scaled_matmul's one-row kernel, a launch a weight, norm and activation apart. Each timed call
@@ -68,6 +69,16 @@ def main():
         "gate_up": (lambda w: dl.decode_swiglu(x, *w, norm=norm, residual=r), weights((i, h), (i, h))),
         "down": (lambda w: dl.decode_linear(x_i, w), weights((h, i))),
     }
+    if a.fmt:
+        # The step's chain (decoding._fp4_chain): each product hands the next its operand prepared.
+        normed = dl.PreparedRow(dl.prepared_words(x), torch.rand(h // 4, device=dev), 1e-6)
+        act = dl.PreparedRow(dl.prepared_words(x_i))
+        cases.update({
+            "qkv_chained": (lambda w: dl.decode_linear(normed, w), cases["qkv"][1]),
+            "o_chained": (lambda w: dl.decode_linear_into_norm(x, w[0], r, norm), cases["o"][1]),
+            "gate_up_chained": (lambda w: dl.decode_swiglu(normed, *w, prepared=True), cases["gate_up"][1]),
+            "down_chained": (lambda w: dl.decode_linear_into_norm(act, w[0], r, norm), cases["down"][1]),
+        })
     launcher = dl._launch
     configs = []
     for item in a.configs.split(","):
@@ -80,11 +91,13 @@ def main():
         run, ws = cases[name]
         nbytes = sum(t.numel() * t.element_size() for w in ws for t in parts(w))
         copies = [ws] + [[clone(w) for w in ws] for _ in range(-(-L2_FLUSH_BYTES // nbytes))]
+        gemv = None
         if a.fmt:
             gemv = {"qkv": lambda w: [scaled_matmul(add_rms_norm(x, r, *norm)[0], v) for v in w],
                     "o": lambda w: scaled_matmul(x, w[0]),
                     "gate_up": lambda w: swiglu(*(scaled_matmul(add_rms_norm(x, r, *norm)[0], v) for v in w)),
-                    "down": lambda w: scaled_matmul(x_i, w[0])}[name]
+                    "down": lambda w: scaled_matmul(x_i, w[0])}.get(name)
+        if gemv is not None:
             gemv(ws)
             us = do_bench_cudagraph(lambda: [gemv(c_ws) for c_ws in copies], rep=20) * 1e3 / len(copies)
             print(f"{name:8s} {'scaled_matmul, a launch a weight':60s} {us:7.2f} us {nbytes / us / 1e6:6.2f} TB/s",

@@ -1,5 +1,6 @@
 """decode_linear, decode_swiglu and argmax beyond the registry's cases: bad input named, the
-inference-only contract, a weight passed twice, and the choice of launch by rows."""
+inference-only contract, a weight passed twice, the choice of launch by rows, and fp4 products
+chained through PreparedRows against the same products unchained."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ import torch
 import tritonformer  # noqa: F401  (before triton: picks the interpreter)
 from tritonformer import quant
 from tritonformer.ops.argmax import argmax
-from tritonformer.ops.decode_linear import MAX_ROWS, decode_linear, decode_linear_reference, decode_swiglu
+from tritonformer.ops.decode_linear import (MAX_ROWS, PreparedRow, decode_linear, decode_linear_into_norm,
+                                            decode_linear_into_norm_reference, decode_linear_reference, decode_swiglu,
+                                            prepared_words, unprepared)
 from tritonformer.testing import assert_close
 
 from helpers import foreign_device_tensor
@@ -171,3 +174,84 @@ def test_fp4_weights_without_tensor_scale_or_columns(device):
     bias = torch.randn(8, device=device).bfloat16()
     (y,) = decode_linear(x[:, :0], [empty], [bias])
     assert torch.equal(y, bias[None])
+
+
+def _fp4_layer(device, K=48, I=80, fmt="nvfp4"):
+    """A bf16 row, residual and norm weight of K columns and fp4 o, gate, up and down weights."""
+    def weight(n, k):
+        return quant.quantize(torch.randn(n, k, device=device) / k**0.5, fmt, axis=1)
+    x, r = (torch.randn(1, K, device=device).bfloat16() for _ in range(2))
+    nw = (torch.rand(K, device=device) + 0.5).bfloat16()
+    return x, r, (nw, 1e-6, 0.0), weight(K, K), weight(I, K), weight(I, K), weight(K, I)
+
+
+def test_prepared_rows_give_the_unchained_products(device):
+    # K off the tiles (the words' and the squares' tails): each chained result equals the one
+    # each product computes with the norm and the residual inside (the squares' order aside).
+    x, r, norm, w_o, w_gate, w_up, w_down = _fp4_layer(device)
+    post, mid = decode_linear_into_norm(x, w_o, r, norm)
+    (o,) = decode_linear(x, [w_o])
+    act, mid_unchained = decode_swiglu(o, w_gate, w_up, norm=norm, residual=r)
+    assert torch.equal(mid, mid_unchained)
+    act_prepared = decode_swiglu(post, w_gate, w_up, prepared=True)
+    assert_close(unprepared(act_prepared), act.float(), torch.bfloat16, "norm")
+    assert torch.equal(act_prepared.words, prepared_words(act))
+    normed, out = decode_linear_into_norm(act_prepared, w_down, mid, norm)
+    (down,) = decode_linear(act, [w_down])
+    assert torch.equal(decode_linear(act_prepared, [w_down])[0], down)
+    q, k, total = decode_linear(down, [w_o, w_gate], norm=norm, residual=mid)
+    assert torch.equal(out, total)
+    for chained, unchained in zip(decode_linear(normed, [w_o, w_gate]), (q, k)):
+        assert_close(chained, unchained, torch.bfloat16, "norm")
+    expected, expected_sum = decode_linear_into_norm_reference(x, w_o, r, norm)
+    assert_close(unprepared(post), unprepared(expected), torch.bfloat16, "norm")
+    assert_close(mid, expected_sum, torch.bfloat16, "norm")
+    assert_close(post.squares, expected.squares, torch.bfloat16, "norm")
+
+
+def test_prepared_rows_without_columns_give_the_bias_and_residual(device):
+    x, r, norm, *_ = _fp4_layer(device, K=16)
+    empty = quant.quantize(torch.randn(16, 0, device=device), "nvfp4", axis=1)
+    bias = torch.randn(16, device=device).bfloat16()
+    post, total = decode_linear_into_norm(x[:, :0], empty, r, norm, bias)
+    assert torch.equal(total, (bias + r).bfloat16())
+    expected, _ = decode_linear_into_norm_reference(x[:, :0], empty, r, norm, bias)
+    assert torch.equal(post.words, expected.words)
+
+
+def test_prepared_rows_are_exported_and_compile_without_graph_breaks(device):
+    x, r, norm, w_o, w_gate, w_up, w_down = _fp4_layer(device)
+    assert (tritonformer.PreparedRow, tritonformer.decode_linear_into_norm) == (PreparedRow, decode_linear_into_norm)
+
+    def layer(x, r):
+        post, mid = decode_linear_into_norm(x, w_o, r, norm)
+        act = decode_swiglu(post, w_gate, w_up, prepared=True)
+        normed, out = decode_linear_into_norm(act, w_down, mid, norm)
+        return decode_linear(normed, [w_o])[0], out
+
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        for got, want in zip(compiled(x, r), layer(x, r)):
+            assert torch.equal(got, want)
+
+
+def test_prepared_rows_bad_input_is_named(device):
+    x, r, norm, w_o, w_gate, w_up, w_down = _fp4_layer(device)
+    post, _ = decode_linear_into_norm(x, w_o, r, norm)
+    with pytest.raises(ValueError, match="carries its norm"):
+        decode_linear(post, [w_o], norm=norm)
+    with pytest.raises(TypeError, match="operand of fp4 weights"):
+        decode_linear(post, [w_o.dequantize(torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"x.words must be \(1, K\) with K a multiple of 8"):
+        decode_linear(PreparedRow(post.words[:, :36]), [w_o])
+    with pytest.raises(ValueError, match=r"x.squares must have shape \(12,\)"):
+        decode_linear(PreparedRow(post.words, post.squares[:4], 1e-6), [w_o])
+    with pytest.raises(ValueError, match="without a norm"):
+        decode_linear_into_norm(post, w_o, r, norm)
+    w_50 = quant.quantize(torch.randn(50, 48, device=device), "nvfp4", axis=1)
+    with pytest.raises(ValueError, match="N a multiple of 8, got 50"):
+        decode_swiglu(post, w_50, w_50, prepared=True)
+    with pytest.raises(ValueError, match=r"residual must have shape \(1, 48\)"):
+        decode_linear_into_norm(x, w_o, r[:, :8], norm)
+    with pytest.raises(TypeError, match="residual has dtype torch.float32"):
+        decode_linear_into_norm(x, w_o, r.float(), norm)

@@ -138,6 +138,13 @@ def test_bf16_tokens_are_hfs_argmax_within_tolerance(device, lengths):
     _assert_hfs_argmax_within_tolerance(model, ids, mask, decoding.generate(model, ids, mask, max_new_tokens=24))
 
 
+def _randomize_norms(model):
+    """RMSNorm weights off their initial ones, so that a norm applied where another belongs shows."""
+    for name, parameter in model.named_parameters():
+        if name.endswith("norm.weight"):
+            parameter.data.uniform_(0.5, 1.5)
+
+
 def _assert_hfs_argmax_within_tolerance(model, ids, mask, ours):
     """At every new position of ours, our token's logit in the model's teacher-forced forward is
     within bf16 rounding of the largest."""
@@ -337,29 +344,59 @@ def test_quantized_weights_decode_as_hfs_generate_of_the_same_model(device, fmt)
     assert torch.equal(ours, type(model).generate(model, ids, max_new_tokens=new))
 
 
+def test_fp4_layers_chained_decode_as_the_same_products_unchained(device, monkeypatch):
+    """At one row a layer's fp4 products hand each other PreparedRows (decoding._fp4_chain): the
+    tokens equal those of the same products with the norms and residual adds inside each (on
+    the CPU bit for bit; on a GPU the squares' summing order may move a near tie, so there the
+    GPU test below checks the tokens against HF's)."""
+    # Weights large enough that each layer's products move the tokens (at 0.02 the embedding decides).
+    model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0, hidden_size=64,
+                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3)
+    _randomize_norms(model)
+    hf.patch(model, weights="mxfp4")
+    # The prefill is not under test, and its scaled_matmul takes 20 s under the interpreter: dense products.
+    monkeypatch.setattr(tritonformer.nn.QuantizedLinear, "forward", lambda self, x: torch.nn.functional.linear(
+        x, self.weight.dequantize(torch.float32).to(x.dtype), self.bias))
+    ids = torch.randint(1, VOCAB, (1, 3), device=device)
+    chained = decoding.generate(model, ids, max_new_tokens=3, cuda_graph=False)
+    assert all(decoding.DECODERS[model][1].chained)
+    decoding.release(model)
+    monkeypatch.setattr(decoding, "_fp4_chain", lambda *args: False)
+    unchained = decoding.generate(model, ids, max_new_tokens=3, cuda_graph=False)
+    assert not any(decoding.DECODERS[model][1].chained)
+    if device == "cpu":
+        assert torch.equal(chained, unchained)
+
+
 @gpu_only
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_weights_of_one_sequence_decode_through_decode_linear(device, fmt, monkeypatch):
     """Batch 1 with fp4 weights: the layer products are decode_linear's (q, k and v in one launch,
-    the norms and SwiGLU inside) and the tokens are the model's teacher-forced argmax within bf16
+    the norms and SwiGLU inside; after the first layer's q, k and v each product hands the next
+    its operand as a PreparedRow) and the tokens are the model's teacher-forced argmax within bf16
     tolerance."""
     model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0)
+    _randomize_norms(model)
     hf.patch(model, weights=fmt)
-    launches, decode_linear, decode_swiglu = [], decoding.decode_linear, decoding.decode_swiglu
+    launches = []
+    names = ("decode_linear", "decode_swiglu", "decode_linear_into_norm")
+    originals = {name: getattr(decoding, name) for name in names}
 
-    def counted_linear(x, weights, *args, **kwargs):
-        launches.append(tuple(w.fmt for w in weights))
-        return decode_linear(x, weights, *args, **kwargs)
+    def counted(name):
+        def launch(x, *args, **kwargs):
+            launches.append((name, type(x).__name__))
+            return originals[name](x, *args, **kwargs)
+        return launch
 
-    def counted_swiglu(x, w_gate, w_up, *args, **kwargs):
-        launches.append(("swiglu", w_gate.fmt, w_up.fmt))
-        return decode_swiglu(x, w_gate, w_up, *args, **kwargs)
-
-    monkeypatch.setattr(decoding, "decode_linear", counted_linear)
-    monkeypatch.setattr(decoding, "decode_swiglu", counted_swiglu)
+    for name in originals:
+        monkeypatch.setattr(decoding, name, counted(name))
     ids = torch.randint(1, VOCAB, (1, 7), device=device)
     ours = decoding.generate(model, ids, max_new_tokens=24, cuda_graph=False)
-    assert {(fmt, fmt, fmt), (fmt,), ("swiglu", fmt, fmt)} <= set(launches)
+    # Two layers a step: q, k, v from the embedding's row, then o, gate/up, down, q, k, v, o, gate/up, down.
+    step = [("decode_linear", "Tensor"), ("decode_linear_into_norm", "Tensor"), ("decode_swiglu", "PreparedRow"),
+            ("decode_linear_into_norm", "PreparedRow"), ("decode_linear", "PreparedRow"),
+            ("decode_linear_into_norm", "Tensor"), ("decode_swiglu", "PreparedRow"), ("decode_linear", "PreparedRow")]
+    assert launches == step * (len(launches) // len(step)) and launches
     _assert_hfs_argmax_within_tolerance(model, ids, torch.ones_like(ids), ours)
 
 

@@ -9,7 +9,7 @@ from .ops.argmax import argmax
 from .ops.attention import attention
 from .ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from .ops.decode_attention import decode_attention
-from .ops.decode_linear import decode_linear, decode_swiglu
+from .ops.decode_linear import PreparedRow, decode_linear, decode_linear_into_norm, decode_swiglu
 from .ops.matmul import matmul
 from .ops.grouped_mm import grouped_mm
 from .ops.moe import moe_route
@@ -21,4 +21,4 @@ from .ops.softmax import softmax
 from .ops.swiglu import swiglu, swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["add", "add_rms_norm", "argmax", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "decode_linear", "decode_swiglu", "fused_linear_cross_entropy", "generate", "gpt_oss_experts", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "release", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]
+__all__ = ["PreparedRow", "add", "add_rms_norm", "argmax", "attention", "apply_rope", "capture_step", "cross_entropy", "decode_attention", "decode_linear", "decode_linear_into_norm", "decode_swiglu", "fused_linear_cross_entropy", "generate", "gpt_oss_experts", "grouped_mm", "layer_norm", "matmul", "moe_experts", "moe_route", "qkv_rope", "release", "rms_norm", "scaled_matmul", "softmax", "swiglu", "swiglu_mlp", "quant", "runtime", "__version__"]

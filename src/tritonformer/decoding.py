@@ -30,7 +30,7 @@ from .capture import CudaGraph
 from .nn import QuantizedLinear
 from .ops.argmax import argmax
 from .ops.decode_attention import HEAD_DIMS, decode_attention
-from .ops.decode_linear import FP4_FORMATS, MAX_ROWS, decode_linear, decode_swiglu
+from .ops.decode_linear import FP4_FORMATS, MAX_ROWS, decode_linear, decode_linear_into_norm, decode_swiglu
 from .ops.norm import add_rms_norm, rms_norm
 from .ops.record_tokens import DecodeState, record_tokens
 from .ops.rope import rope_into_cache
@@ -208,6 +208,8 @@ class _Decoder:
         self.capture = cuda_graph and device.type == "cuda"
         self.graph: CudaGraph | None = None
         self.rope_tables = self._rope_tables(inner, device, dtype)
+        # Per layer: whether its o, gate/up and down products hand the next norm's input on prepared.
+        self.chained = [batch == 1 and _fp4_chain(layer, self.family) for layer in inner.layers]
 
     def _rope_tables(self, inner: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
         """The model's cos and sin at every position of the cache, once ({layer type or None: (cos,
@@ -273,12 +275,18 @@ class _Decoder:
         model = self.model()
         inner = model.model
         x = inner.embed_tokens(self.state.tokens)
-        mlp_out = residual = None
-        for layer, k_cache, v_cache, window in zip(inner.layers, self.k_caches, self.v_caches, self.windows):
+        mlp_out = residual = prepared = None
+        layers = list(zip(inner.layers, self.k_caches, self.v_caches, self.windows, self.chained))
+        for i, (layer, k_cache, v_cache, window, chained) in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             cos, sin = self.rope_tables[attn.layer_type if family.rope_per_layer_type else None]
-            q, k, v, residual = _normed_products(B, x if residual is None else mlp_out, residual,
-                                                 norm(layer.input_layernorm), attn.q_proj, attn.k_proj, attn.v_proj)
+            if prepared is not None:
+                q, k, v = decode_linear(prepared, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                                        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            else:
+                q, k, v, residual = _normed_products(B, x if residual is None else mlp_out, residual,
+                                                     norm(layer.input_layernorm), attn.q_proj, attn.k_proj,
+                                                     attn.v_proj)
             if self.clip is not None:  # OLMoE's clip_qkv
                 q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
             if family.q_norm is not None:
@@ -290,7 +298,22 @@ class _Decoder:
                                 by_position=True)
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.state.lengths, attn.scaling, window,
                                  softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
-            o, = _products(B, o.transpose(1, 2).reshape(B, H * D), attn.o_proj)
+            o = o.transpose(1, 2).reshape(B, H * D)
+            if chained:
+                # The sums and norms go through the products' epilogues (docs/generate.md, "Block-scaled weights").
+                post, residual = decode_linear_into_norm(o, attn.o_proj.weight, residual,
+                                                         norm(layer.post_attention_layernorm), attn.o_proj.bias)
+                act = decode_swiglu(post, mlp.gate_proj.weight, mlp.up_proj.weight, prepared=True)
+                down = mlp.down_proj
+                if i + 1 < len(layers) and _fp4_chain_input(layers[i + 1][0]):
+                    prepared, residual = decode_linear_into_norm(act, down.weight, residual,
+                                                                 norm(layers[i + 1][0].input_layernorm), down.bias)
+                else:
+                    prepared = None
+                    mlp_out, = decode_linear(act, [down.weight], [down.bias])
+                continue
+            prepared = None
+            o, = _products(B, o, attn.o_proj)
             if family.sandwich:
                 o = rms_norm(o, *norm(layer.post_attention_layernorm))
             post = norm(layer.pre_feedforward_layernorm if family.sandwich else layer.post_attention_layernorm)
@@ -354,6 +377,29 @@ def _plain(B: int, *linears: torch.nn.Module) -> bool:
     # A QuantizedLinear's bias buffer may be float32; decode_linear's must be x's dtype.
     biases = all(linear.bias is None or linear.bias.dtype == torch.bfloat16 for linear in linears)
     return B == 1 and len(fmts) == 1 and fmts <= set(FP4_FORMATS) and biases
+
+
+def _fp4_linear(linear: torch.nn.Module, bias: bool = True) -> bool:
+    """An fp4 QuantizedLinear that decode_linear takes at one row, with N a multiple of 8."""
+    return (type(linear) is QuantizedLinear and _plain(1, linear) and linear.weight.shape[0] % 8 == 0
+            and (bias or linear.bias is None))
+
+
+def _fp4_chain_input(layer: torch.nn.Module) -> bool:
+    """Whether a layer's q, k and v products take a PreparedRow: all fp4 of one format."""
+    attn = layer.self_attn
+    return _plain(1, attn.q_proj, attn.k_proj, attn.v_proj) and _fp4_linear(attn.q_proj)
+
+
+def _fp4_chain(layer: torch.nn.Module, family: Family) -> bool:
+    """Whether a layer's products after attention chain PreparedRows at one row: o (into the
+    norm), gate/up (SwiGLU) and down all fp4 of one format, a plain pre-norm MLP block."""
+    if family.sandwich or family.moe or family.mlp_module:
+        return False
+    o, mlp = layer.self_attn.o_proj, layer.mlp
+    linears = (o, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (all(_fp4_linear(linear, bias=linear in (o, mlp.down_proj)) for linear in linears)
+            and _plain(1, *linears))
 
 
 def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:

@@ -411,7 +411,13 @@ def _block_scales(scale_ptr, rows, n_rows, k0, K, stride_scale, FMT: tl.constexp
     """(rows, BLOCK_K // VEC) float32 block scales from their bytes; rows past n_rows read 0."""
     blocks = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
     ok = (rows[:, None] < n_rows) & (blocks[None, :] < K // VEC)
-    raw = tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=ok, other=0)
+    return block_scale_values(tl.load(scale_ptr + rows[:, None] * stride_scale + blocks[None, :], mask=ok, other=0),
+                              FMT)
+
+
+@triton.jit
+def block_scale_values(raw, FMT: tl.constexpr):
+    """float32 block scales of FMT from their bytes (uint8)."""
     if FMT == "nvfp4":
         # e4m3 scales arrive as their bytes (a masked fp8 load's zero fill fails in the interpreter).
         return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)

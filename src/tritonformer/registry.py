@@ -22,6 +22,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     rope.INTO_CACHE_SPEC,
     decode_linear.LINEAR_SPEC,
     decode_linear.SWIGLU_SPEC,
+    decode_linear.FP4_CHAIN_SPEC,
     decode_linear.ARGMAX_SPEC,
     decode_linear.RECORD_TOKENS_SPEC,
     cross_entropy.SPEC,

@@ -1,4 +1,5 @@
-"""Cases of `decode_linear` and `decode_swiglu` (a decode step's products), of `argmax` (its
+"""Cases of `decode_linear` and `decode_swiglu` (a decode step's products; with fp4 weights also
+chained through PreparedRows, as decoding runs a layer), of `argmax` (its
 greedy pick) and of `record_tokens` (its bookkeeping after the pick): odd sizes, 1 to 16 rows,
 biases, strided inputs and every float dtype for the tests; for the benchmark the products of the
 e2e model and of Llama-3-8B at 1 and 16 rows, argmax over Llama-3's 128k vocabulary, and the
@@ -11,7 +12,8 @@ import torch
 
 from .. import quant, runtime
 from ..ops.argmax import argmax, argmax_reference
-from ..ops.decode_linear import decode_linear, decode_linear_reference, decode_swiglu, decode_swiglu_reference
+from ..ops.decode_linear import (decode_linear, decode_linear_into_norm, decode_linear_reference, decode_swiglu,
+                                 decode_swiglu_reference)
 from ..ops.record_tokens import DecodeState, record_tokens, record_tokens_reference
 from ..ops.scaled_matmul import scaled_matmul
 from ..spec import Bench, BenchCase, OpSpec, TestCase, short_dtype
@@ -40,6 +42,74 @@ def decode_swiglu_outputs(x, residual, norm_weight, w_gate, w_up, eps=1e-6, offs
 
 def decode_swiglu_flat_reference(x, residual, norm_weight, w_gate, w_up, eps=1e-6, offset=0.0):
     return decode_swiglu_reference(x, w_gate, w_up, norm=_norm(norm_weight, eps, offset), residual=residual)
+
+
+def decode_fp4_chain_outputs(x, residual, post_norm_weight, in_norm_weight, w_o, w_gate, w_up, w_down, *w_qkv,
+                             eps=1e-6, offset=0.0):
+    """A layer's fp4 products after attention as decoding chains them (decoding._fp4_chain), from
+    the attention's output x: o into the post-attention norm, SwiGLU handed on as a PreparedRow,
+    down into the next layer's norm, and that layer's q, k and v: (q, k, v, the two sums)."""
+    post, mid = decode_linear_into_norm(x, w_o, residual, (post_norm_weight, eps, offset))
+    act = decode_swiglu(post, w_gate, w_up, prepared=True)
+    normed, out = decode_linear_into_norm(act, w_down, mid, (in_norm_weight, eps, offset))
+    return (*decode_linear(normed, w_qkv), mid, out)
+
+
+def decode_fp4_chain_flat_reference(x, residual, post_norm_weight, in_norm_weight, w_o, w_gate, w_up, w_down,
+                                    *w_qkv, eps=1e-6, offset=0.0):
+    """The same layer as the unchained products compute it."""
+    o, = decode_linear_reference(x, [w_o])
+    act, mid = decode_swiglu_reference(o, w_gate, w_up, norm=(post_norm_weight, eps, offset), residual=residual)
+    down, = decode_linear_reference(act, [w_down])
+    *qkv, out = decode_linear_reference(down, w_qkv, norm=(in_norm_weight, eps, offset), residual=mid)
+    return (*qkv, mid, out)
+
+
+def _chain_inputs(K, intermediate, Ns, fmt, device):
+    """decode_fp4_chain_outputs' arguments: a bf16 row of K columns, fp4 weights."""
+    x, (w_o, w_down), _ = _inputs(1, K, (K, K), torch.bfloat16, device, fmt=fmt)
+    w_down = quant.quantize(torch.randn(K, intermediate, device=device) / intermediate**0.5, fmt, axis=1)
+    _, (w_gate, w_up, *w_qkv), _ = _inputs(1, K, (intermediate, intermediate, *Ns), torch.bfloat16, device, fmt=fmt)
+    residual, post = _norm_inputs(1, K, torch.bfloat16, device, "add")
+    _, pre = _norm_inputs(1, K, torch.bfloat16, device, "norm")
+    return x, residual, post, pre, w_o, w_gate, w_up, w_down, *w_qkv
+
+
+def decode_fp4_chain_test_cases() -> list[TestCase]:
+    def case(id, K, intermediate, Ns, fmt, offset=0.0, gpu_only=False):
+        def make(device):
+            return _chain_inputs(K, intermediate, Ns, fmt, device), dict(offset=offset)
+        return TestCase(id, make, torch.bfloat16, grad=False, gpu_only=gpu_only)
+
+    # K and N off the interpreter's 128-code steps (the words' and the squares' tails), and Gemma's offset.
+    return [
+        case("nvfp4-96-160-qkv-96/32/32", 96, 160, (96, 32, 32), "nvfp4"),
+        case("mxfp4-64-96-qkv-24/8/8-offset", 64, 96, (24, 8, 8), "mxfp4", offset=1.0),
+        case("nvfp4-4096-14336-llama", 4096, 14336, (4096, 1024, 1024), "nvfp4", gpu_only=True),
+    ]
+
+
+def decode_fp4_chain_bench_cases() -> list[BenchCase]:
+    """Llama-3-8B's layer with nvfp4 weights: the chain against the same products unchained (the
+    norms and the residual adds inside each product's own pass over x)."""
+    K, intermediate, Ns = (128, 256, (128, 64, 64)) if runtime.INTERPRET else (4096, 14336, (4096, 1024, 1024))
+
+    def setup():
+        args = _chain_inputs(K, intermediate, Ns, "nvfp4", runtime.DEVICE)
+        x, residual, post, pre, w_o, w_gate, w_up, w_down, *w_qkv = args
+
+        def unchained():
+            o, = decode_linear(x, [w_o])
+            act, mid = decode_swiglu(o, w_gate, w_up, norm=(post, 1e-6, 0.0), residual=residual)
+            down, = decode_linear(act, [w_down])
+            return decode_linear(down, w_qkv, norm=(pre, 1e-6, 0.0), residual=mid)
+
+        return Bench({"tritonformer": lambda: decode_fp4_chain_outputs(*args), "unchained": unchained},
+                     reference=lambda: decode_fp4_chain_flat_reference(*args))
+
+    codes = K * (K + 2 * intermediate + sum(Ns)) + intermediate * K
+    return [BenchCase("decode_fp4_chain", "fwd", torch.bfloat16, f"1x{K} layer nvfp4", codes, setup,
+                      bytes=codes // 2 + codes // 16, plot="1 row nvfp4", quick=runtime.INTERPRET)]
 
 
 def _norm_inputs(M, K, dtype, device, norm):
@@ -350,5 +420,8 @@ SWIGLU_SPEC = OpSpec(name="decode_swiglu", fn=decode_swiglu_outputs, reference=d
                      test_cases=decode_swiglu_test_cases, bench_cases=decode_swiglu_bench_cases, compare="norm")
 ARGMAX_SPEC = OpSpec(name="argmax", fn=argmax, reference=argmax_reference, test_cases=argmax_test_cases,
                      bench_cases=argmax_bench_cases)
+FP4_CHAIN_SPEC = OpSpec(name="decode_fp4_chain", fn=decode_fp4_chain_outputs,
+                        reference=decode_fp4_chain_flat_reference, test_cases=decode_fp4_chain_test_cases,
+                        bench_cases=decode_fp4_chain_bench_cases, compare="norm")
 RECORD_TOKENS_SPEC = OpSpec(name="record_tokens", fn=record_tokens_outputs, reference=record_tokens_flat_reference,
                             test_cases=record_tokens_test_cases, bench_cases=record_tokens_bench_cases)
