@@ -195,7 +195,6 @@ def test_prepared_rows_give_the_unchained_products(device):
     assert torch.equal(mid, mid_unchained)
     act_prepared = decode_swiglu(post, w_gate, w_up, prepared=True)
     assert_close(unprepared(act_prepared), act.float(), torch.bfloat16, "norm")
-    assert torch.equal(act_prepared.words, prepared_words(act))
     normed, out = decode_linear_into_norm(act_prepared, w_down, mid, norm)
     (down,) = decode_linear(act, [w_down])
     assert torch.equal(decode_linear(act_prepared, [w_down])[0], down)
@@ -209,14 +208,39 @@ def test_prepared_rows_give_the_unchained_products(device):
     assert_close(post.squares, expected.squares, torch.bfloat16, "norm")
 
 
-def test_prepared_rows_without_columns_give_the_bias_and_residual(device):
+def test_prepared_words_are_the_row_in_pair_order(device):
+    x = torch.randn(3, 24, device=device).bfloat16()
+    words = prepared_words(x)
+    assert torch.equal(words[:, :8].float() * 2.0**-100, x[:, [0, 4, 1, 5, 2, 6, 3, 7]].float())
+    assert torch.equal(unprepared(PreparedRow(words)), x.float())
+    assert prepared_words(x[:, :0]).shape == (3, 0) and unprepared(PreparedRow(words[:, :0])).shape == (3, 0)
+
+
+def test_prepared_rows_without_columns_or_rows(device):
+    # K = 0: the sums are the bias, the output the residual (prepared from it); N = 0: empty rows.
     x, r, norm, *_ = _fp4_layer(device, K=16)
     empty = quant.quantize(torch.randn(16, 0, device=device), "nvfp4", axis=1)
     bias = torch.randn(16, device=device).bfloat16()
     post, total = decode_linear_into_norm(x[:, :0], empty, r, norm, bias)
     assert torch.equal(total, (bias + r).bfloat16())
     expected, _ = decode_linear_into_norm_reference(x[:, :0], empty, r, norm, bias)
-    assert torch.equal(post.words, expected.words)
+    assert torch.equal(post.words, expected.words) and torch.equal(post.squares, expected.squares)
+    act, x_r = decode_swiglu(x[:, :0], empty, empty, norm=(norm[0][:0], 1e-6, 0.0), residual=x[:, :0], prepared=True)
+    assert torch.equal(act.words, torch.zeros_like(act.words)) and x_r.shape == (1, 0)
+    none = quant.quantize(torch.randn(0, 16, device=device), "nvfp4", axis=1)
+    post, total = decode_linear_into_norm(x, none, r[:, :0], (norm[0][:0], 1e-6, 0.0))
+    assert post.words.shape == (1, 0) and post.squares.shape == (0,) and total.shape == (1, 0)
+    assert decode_swiglu(x, none, none, prepared=True).words.shape == (1, 0)
+
+
+def test_prepared_rows_take_strided_squares_and_biases(device):
+    x, r, norm, w_o, *_ = _fp4_layer(device)
+    post, _ = decode_linear_into_norm(x, w_o, r, norm)
+    strided = PreparedRow(post.words, torch.stack([post.squares, post.squares], 1)[:, 0], post.eps)
+    bias = torch.randn(48, device=device).bfloat16()
+    assert torch.equal(decode_linear(strided, [w_o], [bias])[0], decode_linear(post, [w_o], [bias])[0])
+    with pytest.raises(ValueError, match=r"biases\[0\] must have shape \(48,\)"):
+        decode_linear(post, [w_o], [bias[:8]])
 
 
 def test_prepared_rows_are_exported_and_compile_without_graph_breaks(device):
@@ -255,3 +279,7 @@ def test_prepared_rows_bad_input_is_named(device):
         decode_linear_into_norm(x, w_o, r[:, :8], norm)
     with pytest.raises(TypeError, match="residual has dtype torch.float32"):
         decode_linear_into_norm(x, w_o, r.float(), norm)
+    with pytest.raises(ValueError, match="needs the residual and the next norm"):
+        decode_linear_into_norm(x, w_o, r, None)
+    with pytest.raises(ValueError, match="inference ops"):
+        decode_linear_into_norm(x, w_o, r.clone().requires_grad_(True), norm)

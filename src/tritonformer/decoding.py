@@ -208,8 +208,6 @@ class _Decoder:
         self.capture = cuda_graph and device.type == "cuda"
         self.graph: CudaGraph | None = None
         self.rope_tables = self._rope_tables(inner, device, dtype)
-        # Per layer: whether its o, gate/up and down products hand the next norm's input on prepared.
-        self.chained = [batch == 1 and _fp4_chain(layer, self.family) for layer in inner.layers]
 
     def _rope_tables(self, inner: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
         """The model's cos and sin at every position of the cache, once ({layer type or None: (cos,
@@ -276,8 +274,8 @@ class _Decoder:
         inner = model.model
         x = inner.embed_tokens(self.state.tokens)
         mlp_out = residual = prepared = None
-        layers = list(zip(inner.layers, self.k_caches, self.v_caches, self.windows, self.chained))
-        for i, (layer, k_cache, v_cache, window, chained) in enumerate(layers):
+        layers = list(zip(inner.layers, self.k_caches, self.v_caches, self.windows))
+        for i, (layer, k_cache, v_cache, window) in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             cos, sin = self.rope_tables[attn.layer_type if family.rope_per_layer_type else None]
             if prepared is not None:
@@ -299,7 +297,8 @@ class _Decoder:
             o = decode_attention(q[:, :, None], k_cache, v_cache, self.state.lengths, attn.scaling, window,
                                  softcap=attn.attn_logit_softcapping if family.attention_softcap else None)
             o = o.transpose(1, 2).reshape(B, H * D)
-            if chained:
+            # Looked at each step, as _plain is: a hook added since the last step sends a layer back to its modules.
+            if B == 1 and _fp4_chain(layer, family):
                 # The sums and norms go through the products' epilogues (docs/generate.md, "Block-scaled weights").
                 post, residual = decode_linear_into_norm(o, attn.o_proj.weight, residual,
                                                          norm(layer.post_attention_layernorm), attn.o_proj.bias)
@@ -388,7 +387,7 @@ def _fp4_linear(linear: torch.nn.Module, bias: bool = True) -> bool:
 def _fp4_chain_input(layer: torch.nn.Module) -> bool:
     """Whether a layer's q, k and v products take a PreparedRow: all fp4 of one format."""
     attn = layer.self_attn
-    return _plain(1, attn.q_proj, attn.k_proj, attn.v_proj) and _fp4_linear(attn.q_proj)
+    return _plain(1, attn.q_proj, attn.k_proj, attn.v_proj) and type(attn.q_proj) is QuantizedLinear
 
 
 def _fp4_chain(layer: torch.nn.Module, family: Family) -> bool:

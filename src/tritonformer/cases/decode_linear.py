@@ -67,7 +67,7 @@ def decode_fp4_chain_flat_reference(x, residual, post_norm_weight, in_norm_weigh
 
 def _chain_inputs(K, intermediate, Ns, fmt, device):
     """decode_fp4_chain_outputs' arguments: a bf16 row of K columns, fp4 weights."""
-    x, (w_o, w_down), _ = _inputs(1, K, (K, K), torch.bfloat16, device, fmt=fmt)
+    x, (w_o,), _ = _inputs(1, K, (K,), torch.bfloat16, device, fmt=fmt)
     w_down = quant.quantize(torch.randn(K, intermediate, device=device) / intermediate**0.5, fmt, axis=1)
     _, (w_gate, w_up, *w_qkv), _ = _inputs(1, K, (intermediate, intermediate, *Ns), torch.bfloat16, device, fmt=fmt)
     residual, post = _norm_inputs(1, K, torch.bfloat16, device, "add")
@@ -81,9 +81,11 @@ def decode_fp4_chain_test_cases() -> list[TestCase]:
             return _chain_inputs(K, intermediate, Ns, fmt, device), dict(offset=offset)
         return TestCase(id, make, torch.bfloat16, grad=False, gpu_only=gpu_only)
 
-    # K and N off the interpreter's 128-code steps (the words' and the squares' tails), and Gemma's offset.
+    # K and N off the interpreter's 128-code steps (the words' and the squares' tails), on them (its
+    # unmasked loads, and squares summed over two chunks at K 512), and Gemma's offset.
     return [
         case("nvfp4-96-160-qkv-96/32/32", 96, 160, (96, 32, 32), "nvfp4"),
+        case("nvfp4-512-256-qkv-64/32/32", 512, 256, (64, 32, 32), "nvfp4"),
         case("mxfp4-64-96-qkv-24/8/8-offset", 64, 96, (24, 8, 8), "mxfp4", offset=1.0),
         case("nvfp4-4096-14336-llama", 4096, 14336, (4096, 1024, 1024), "nvfp4", gpu_only=True),
     ]

@@ -189,7 +189,7 @@ def _row_pair(x_ptr, r_ptr, s_ptr, nw_ptr, norm_offset, store_sum, pairs, ok, NO
 
 
 @triton.jit
-def _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, EVEN_K: tl.constexpr, W_FMT: tl.constexpr,
+def _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, k0, K, EVEN_K: tl.constexpr, W_FMT: tl.constexpr,
               W_VEC: tl.constexpr, BLOCK_K: tl.constexpr):
     """(codes, scales) of fp4 weight rows at columns k0..k0 + BLOCK_K: (rows, BLOCK_K // 8) int32
     words and (rows, BLOCK_K // W_VEC) float32 block scales, zeros past K."""
@@ -226,7 +226,7 @@ def _scaled_x_pairs(lo, hi):
 
 
 @triton.jit
-def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, q_ptr, norm_offset, eps, store_sum, K, N,
+def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, q_ptr, norm_offset, eps, store_sum, K,
                            w_ptr, stride_wn, ws_ptr, stride_ws, wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr,
                            offs_n, n_ok, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                            EVEN_K: tl.constexpr, W_FMT: tl.constexpr, W_VEC: tl.constexpr,
@@ -248,10 +248,10 @@ def _row_times_fp4_weights(x_ptr, r_ptr, s_ptr, nw_ptr, q_ptr, norm_offset, eps,
     squares = tl.zeros((WORDS,), tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
         # Issued before the work on x, so that the weight is in flight during it.
-        w_codes, w_scales = _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, N, k0, K, EVEN_K, W_FMT, W_VEC,
+        w_codes, w_scales = _fp4_tile(w_ptr, stride_wn, ws_ptr, stride_ws, rows, n_ok, k0, K, EVEN_K, W_FMT, W_VEC,
                                       BLOCK_K)
         if GATED:
-            u_codes, u_scales = _fp4_tile(u_ptr, stride_un, us_ptr, stride_us, rows, n_ok, N, k0, K, EVEN_K, W_FMT,
+            u_codes, u_scales = _fp4_tile(u_ptr, stride_un, us_ptr, stride_us, rows, n_ok, k0, K, EVEN_K, W_FMT,
                                           W_VEC, BLOCK_K)
         words = k0 // 8 + tl.arange(0, WORDS)
         ok = tl.full((WORDS,), True, tl.int1) if EVEN_K else words < K // 8
@@ -318,7 +318,7 @@ def _tile_products(x_ptr, stride_xm, r_ptr, stride_rm, s_ptr, stride_sm, nw_ptr,
     (W_FMT), else _rows_times_weights."""
     if W_FMT != "":
         acc_w, acc_u, factor = _row_times_fp4_weights(
-            x_ptr, r_ptr, s_ptr, nw_ptr, q_ptr, norm_offset, eps, store_sum, K, N, w_ptr, stride_wn, ws_ptr,
+            x_ptr, r_ptr, s_ptr, nw_ptr, q_ptr, norm_offset, eps, store_sum, K, w_ptr, stride_wn, ws_ptr,
             stride_ws, wt_ptr, u_ptr, stride_un, us_ptr, stride_us, ut_ptr, offs_n, n_ok, NORM, RESIDUAL, GATED,
             EVEN_K, W_FMT, W_VEC, TENSOR_SCALE, X_WORDS, BLOCK_N, BLOCK_K, LOOP_STAGES)
     else:
@@ -440,7 +440,7 @@ def _check_fp4(x: torch.Tensor, weights: Sequence[QuantizedTensor]) -> None:
         runtime.check_same_device(x=x, **{f"weights[{i}]{part}": t for part, t in parts.items() if t is not None})
 
 
-def _check_prepared(x: "PreparedRow", weights: Sequence, norm, residual) -> None:
+def _check_prepared(x: "PreparedRow", weights: Sequence, biases, norm, residual) -> None:
     """A PreparedRow as x: fp4 weights, bf16 words (1, K) with K a multiple of 8, its own norm."""
     if norm is not None or residual is not None:
         raise ValueError("a PreparedRow carries its norm: give no norm or residual with it")
@@ -457,23 +457,22 @@ def _check_prepared(x: "PreparedRow", weights: Sequence, norm, residual) -> None
             raise ValueError(f"x.squares must have shape ({words.shape[1] // 4},), got {tuple(squares.shape)}")
         if not (math.isfinite(x.eps) and x.eps >= 0):
             raise ValueError(f"x.eps must be a finite number >= 0, got {x.eps!r}")
-    _check(words, weights, None, None, None)
+    _check(words, weights, biases, None, None)
 
 
-def _check_words_out(x: torch.Tensor, weight, bias, residual, norm) -> None:
+def _check_words_out(x: torch.Tensor, weight, bias, residual, norm, linear: bool) -> None:
     """An output as a PreparedRow: fp4 weights, N a multiple of 8, and for a linear its residual
-    (1, N) and next norm."""
+    (1, N) and the next norm."""
     if not isinstance(weight, QuantizedTensor):
         raise TypeError("a PreparedRow output needs fp4 weights (QuantizedTensor)")
     N = weight.shape[0]
     if N % 8:
         raise ValueError(f"a PreparedRow output needs N a multiple of 8, got {N}")
     named = {"bias": bias} if bias is not None else {}
-    if norm is not None:
-        if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
-            raise ValueError("norm must be (weight, eps, offset)")
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in norm[1:]) or norm[1] < 0:
-            raise ValueError(f"norm's eps and offset must be finite numbers, eps >= 0, got {norm[1]!r}, {norm[2]!r}")
+    if linear:
+        if residual is None or norm is None:
+            raise ValueError("decode_linear_into_norm needs the residual and the next norm (weight, eps, offset)")
+        _check_norm(norm)
         named.update({"residual": residual, "norm weight": norm[0]})
     for name, t in named.items():
         runtime.check_tensor(name, t, (torch.bfloat16,))
@@ -481,6 +480,20 @@ def _check_words_out(x: torch.Tensor, weight, bias, residual, norm) -> None:
         shape = (1, N) if name == "residual" else (N,)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    _check_no_grad(named.values())
+
+
+def _check_norm(norm) -> None:
+    if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
+        raise ValueError("norm must be None or (weight, eps, offset)")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in norm[1:]) or norm[1] < 0:
+        raise ValueError(f"norm's eps and offset must be finite numbers, eps >= 0, got {norm[1]!r}, {norm[2]!r}")
+
+
+def _check_no_grad(tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("decode_linear and decode_swiglu are inference ops (no backward): call them under "
+                         "torch.no_grad() or on tensors that do not require grad")
 
 
 def _check(x: torch.Tensor, weights: Sequence, biases, norm, residual) -> None:
@@ -498,11 +511,8 @@ def _check(x: torch.Tensor, weights: Sequence, biases, norm, residual) -> None:
     named = {} if quantized else {f"weights[{i}]": w for i, w in enumerate(weights)}
     named.update({f"biases[{i}]": b for i, b in enumerate(biases or ()) if b is not None})
     if norm is not None:
-        if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
-            raise ValueError("norm must be None or (weight, eps, offset)")
+        _check_norm(norm)
         named["norm weight"] = norm[0]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in norm[1:]) or norm[1] < 0:
-            raise ValueError(f"norm's eps and offset must be finite numbers, eps >= 0, got {norm[1]!r}, {norm[2]!r}")
     if residual is not None:
         if norm is None:
             raise ValueError("residual is added before the norm: give norm with it")
@@ -520,9 +530,7 @@ def _check(x: torch.Tensor, weights: Sequence, biases, norm, residual) -> None:
         raise ValueError(f"the norm weight must have shape ({K},), got {tuple(norm[0].shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *named.values())):
-        raise ValueError("decode_linear and decode_swiglu are inference ops (no backward): call them under "
-                         "torch.no_grad() or on tensors that do not require grad")
+    _check_no_grad((x, *named.values()))
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -549,8 +557,9 @@ def decode_products(x: torch.Tensor, weights: list[torch.Tensor], fmt: str, weig
     "mxfp4": the weights are fp4 codes, (N, K / 2) bytes, with their block scales (and nvfp4's
     tensor scales). fp4 weights only: x_words, x is a PreparedRow's words (and x_squares its
     squares, with norm_weight None and eps its norm's); words_out, the output is a PreparedRow:
-    SwiGLU's [words], or one weight's [y + residual, words of it times (norm_offset +
-    norm_weight), squares] (the residual and the norm apply to the output)."""
+    SwiGLU's [words] (then x + residual with a residual), or one weight's [y + residual, words
+    of it times (norm_offset + norm_weight), squares] (the residual and the norm apply to the
+    output)."""
     x = _unit_columns(x)
     weights = [_unit_columns(w) for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
@@ -603,7 +612,7 @@ def decode_products(x: torch.Tensor, weights: list[torch.Tensor], fmt: str, weig
     def even_k(config):
         return K % config["BLOCK_K"] == 0
 
-    q = x_squares if x_squares is not None else quads
+    q = x_squares.contiguous() if x_squares is not None else quads
     args = (x, residual, s, norm_weight, q, words, *ws, *scales, *ts, *bs, *ys, x.stride(0), residual.stride(0),
             s.stride(0), *(w.stride(0) for w in ws), *(t.stride(0) for t in scales), *(y.stride(0) for y in ys), M, K,
             *Ns, float(eps), float(norm_offset))
@@ -623,7 +632,7 @@ def _no_products(x, outs, biases, residual, total, norm_weight, norm_offset, wor
     if not words_out:
         return outs + ([total] if total is not None else [])
     if swiglu:
-        return [prepared_words(outs[0])]
+        return [prepared_words(outs[0])] + ([total] if total is not None else [])
     # An empty product is 0: the output is the residual (two bf16 adds) and is prepared from it.
     outs[0].copy_(outs[0] + residual)
     row = outs[0].float()
@@ -665,7 +674,7 @@ def prepared_words(x: torch.Tensor) -> torch.Tensor:
     """x (rows, K), K a multiple of 8, times 2^100 rounded to bf16, each 8 columns in the order
     0, 4, 1, 5, 2, 6, 3, 7: int32 words of these are the bf16 pairs quant.e2m1_word_dot takes."""
     scaled = (x.float() * 2.0 ** 100).to(torch.bfloat16)
-    return scaled.reshape(-1, x.shape[-1] // 8, 2, 4).transpose(-1, -2).reshape(x.shape)
+    return scaled.reshape(*x.shape[:-1], x.shape[-1] // 8, 2, 4).transpose(-1, -2).reshape(x.shape)
 
 
 def decode_linear(x: torch.Tensor | PreparedRow, weights: Sequence[torch.Tensor | QuantizedTensor],
@@ -677,7 +686,7 @@ def decode_linear(x: torch.Tensor | PreparedRow, weights: Sequence[torch.Tensor 
     residual: of rms_norm(x + residual), the sum (rounded to x's dtype) returned after the outputs.
     x may be a PreparedRow (fp4 weights; its norm, if any, is applied, so no norm or residual)."""
     if isinstance(x, PreparedRow):
-        _check_prepared(x, weights, norm, residual)
+        _check_prepared(x, weights, biases, norm, residual)
         return tuple(decode_products(x.words, *_weight_args(weights), _bias_list(biases, len(weights)), None, x.eps,
                                      0.0, None, False, x.squares, True))
     _check(x, weights, biases, norm, residual)
@@ -692,14 +701,14 @@ def decode_linear_into_norm(x: torch.Tensor | PreparedRow, weight: QuantizedTens
     rounded to bf16 as two adds in bf16 round it: one fp4 weight, one bf16 row, its N a multiple
     of 8 (a layer's o or down projection, whose sum the next layer's norm takes)."""
     if isinstance(x, PreparedRow):
-        _check_prepared(x, (weight,), None, None)
+        _check_prepared(x, (weight,), None if bias is None else [bias], None, None)
         if x.squares is not None:
             raise ValueError("decode_linear_into_norm takes a PreparedRow without a norm (an activation's)")
         x_squares, x_eps, x_words, x = None, 0.0, True, x.words
     else:
         _check(x, (weight,), None, None, None)
         x_squares, x_eps, x_words = None, 0.0, False
-    _check_words_out(x, weight, bias, residual, norm)
+    _check_words_out(x, weight, bias, residual, norm, linear=True)
     y, words, squares = decode_products(x, *_weight_args((weight,)), [bias], norm[0], x_eps, float(norm[2]),
                                         residual, False, x_squares, x_words, True)
     return PreparedRow(words, squares, float(norm[1])), y
@@ -712,7 +721,7 @@ def decode_swiglu(x: torch.Tensor | PreparedRow, w_gate: torch.Tensor | Quantize
     decode_linear takes them; with a residual, (the activation, x + residual). x may be a
     PreparedRow; prepared=True (fp4 weights) returns the activation as one (no norm)."""
     if isinstance(x, PreparedRow):
-        _check_prepared(x, (w_gate, w_up), norm, residual)
+        _check_prepared(x, (w_gate, w_up), None, norm, residual)
         words, x_squares, eps = x.words, x.squares, x.eps
         norm_args = (None, eps, 0.0)
     else:
@@ -722,7 +731,7 @@ def decode_swiglu(x: torch.Tensor | PreparedRow, w_gate: torch.Tensor | Quantize
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
     if prepared:
-        _check_words_out(words, w_gate, None, None, None)
+        _check_words_out(words, w_gate, None, None, None, linear=False)
     out = decode_products(words, *_weight_args((w_gate, w_up)), [None, None], *norm_args, residual, True,
                           x_squares, isinstance(x, PreparedRow), prepared)
     act = PreparedRow(out[0]) if prepared else out[0]
@@ -748,8 +757,10 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
 
 def unprepared(x: PreparedRow) -> torch.Tensor:
     """The float32 row a PreparedRow's products take: rms_norm's output with a norm, else x."""
-    K = x.words.shape[-1]
-    row = x.words.float().reshape(-1, K // 8, 4, 2).transpose(-1, -2).reshape(-1, K) * 2.0 ** -100
+    words = x.words.float()
+    row = words.reshape(*words.shape[:-1], words.shape[-1] // 8, 4, 2).transpose(-1, -2).reshape(words.shape)
+    row = row * 2.0 ** -100
+    K = words.shape[-1]
     return row if x.squares is None else row * torch.rsqrt(x.squares.double().sum() / K + x.eps).float()
 
 
