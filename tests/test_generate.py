@@ -138,6 +138,19 @@ def test_bf16_tokens_are_hfs_argmax_within_tolerance(device, lengths):
     _assert_hfs_argmax_within_tolerance(model, ids, mask, decoding.generate(model, ids, mask, max_new_tokens=24))
 
 
+def _record_launches(monkeypatch, *names):
+    """Patch decoding's product functions `names` to record (name, x's type) at each call of the
+    step itself (the warm-up thread's compile-only step runs the same calls): the list."""
+    launches = []
+    for name in names:
+        def launch(x, *args, _name=name, _original=getattr(decoding, name), **kwargs):
+            if not runtime.compiling_ahead():
+                launches.append((_name, type(x).__name__))
+            return _original(x, *args, **kwargs)
+        monkeypatch.setattr(decoding, name, launch)
+    return launches
+
+
 def _randomize_norms(model):
     """RMSNorm weights off their initial ones, so that a norm applied where another belongs shows."""
     for name, parameter in model.named_parameters():
@@ -357,14 +370,7 @@ def test_fp4_layers_chained_decode_as_the_same_products_unchained(device, monkey
     # The prefill is not under test, and its scaled_matmul takes 20 s under the interpreter: dense products.
     monkeypatch.setattr(tritonformer.nn.QuantizedLinear, "forward", lambda self, x: torch.nn.functional.linear(
         x, self.weight.dequantize(torch.float32).to(x.dtype), self.bias))
-    into_norm, chained_launches = decoding.decode_linear_into_norm, []
-
-    def counted(*args, **kwargs):
-        if not runtime.compiling_ahead():
-            chained_launches.append(args[1])
-        return into_norm(*args, **kwargs)
-
-    monkeypatch.setattr(decoding, "decode_linear_into_norm", counted)
+    chained_launches = _record_launches(monkeypatch, "decode_linear_into_norm")
     ids = torch.randint(1, VOCAB, (1, 3), device=device)
     chained = decoding.generate(model, ids, max_new_tokens=3, cuda_graph=False)
     # Two steps of two layers: o, down into the second layer's norm, o.
@@ -387,19 +393,7 @@ def test_fp4_weights_of_one_sequence_decode_through_decode_linear(device, fmt, m
     model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0)
     _randomize_norms(model)
     hf.patch(model, weights=fmt)
-    launches = []
-    names = ("decode_linear", "decode_swiglu", "decode_linear_into_norm")
-    originals = {name: getattr(decoding, name) for name in names}
-
-    def counted(name):
-        def launch(x, *args, **kwargs):
-            if not runtime.compiling_ahead():  # the warm-up thread's step runs the same launches
-                launches.append((name, type(x).__name__))
-            return originals[name](x, *args, **kwargs)
-        return launch
-
-    for name in originals:
-        monkeypatch.setattr(decoding, name, counted(name))
+    launches = _record_launches(monkeypatch, "decode_linear", "decode_swiglu", "decode_linear_into_norm")
     ids = torch.randint(1, VOCAB, (1, 7), device=device)
     ours = decoding.generate(model, ids, max_new_tokens=24, cuda_graph=False)
     # Two layers a step: q, k, v from the embedding's row, then o, gate/up, down, q, k, v, o, gate/up, down.

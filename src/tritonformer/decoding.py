@@ -281,6 +281,7 @@ class _Decoder:
             if prepared is not None:
                 q, k, v = decode_linear(prepared, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                         [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                prepared = None
             else:
                 q, k, v, residual = _normed_products(B, x if residual is None else mlp_out, residual,
                                                      norm(layer.input_layernorm), attn.q_proj, attn.k_proj,
@@ -308,10 +309,8 @@ class _Decoder:
                     prepared, residual = decode_linear_into_norm(act, down.weight, residual,
                                                                  norm(layers[i + 1][0].input_layernorm), down.bias)
                 else:
-                    prepared = None
                     mlp_out, = decode_linear(act, [down.weight], [down.bias])
                 continue
-            prepared = None
             o, = _products(B, o, attn.o_proj)
             if family.sandwich:
                 o = rms_norm(o, *norm(layer.post_attention_layernorm))
@@ -378,12 +377,6 @@ def _plain(B: int, *linears: torch.nn.Module) -> bool:
     return B == 1 and len(fmts) == 1 and fmts <= set(FP4_FORMATS) and biases
 
 
-def _fp4_linear(linear: torch.nn.Module, bias: bool = True) -> bool:
-    """An fp4 QuantizedLinear that decode_linear takes at one row, with N a multiple of 8."""
-    return (type(linear) is QuantizedLinear and _plain(1, linear) and linear.weight.shape[0] % 8 == 0
-            and (bias or linear.bias is None))
-
-
 def _fp4_chain_input(layer: torch.nn.Module) -> bool:
     """Whether a layer's q, k and v products take a PreparedRow: all fp4 of one format."""
     attn = layer.self_attn
@@ -396,9 +389,10 @@ def _fp4_chain(layer: torch.nn.Module, family: Family) -> bool:
     if family.sandwich or family.moe or family.mlp_module:
         return False
     o, mlp = layer.self_attn.o_proj, layer.mlp
-    linears = (o, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return (all(_fp4_linear(linear, bias=linear in (o, mlp.down_proj)) for linear in linears)
-            and _plain(1, *linears))
+    # _plain at one row with one QuantizedLinear: all fp4 of one format; outputs go as PreparedRows (N % 8).
+    return (type(o) is QuantizedLinear and _plain(1, o, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+            and o.weight.shape[0] % 8 == 0 and mlp.gate_proj.weight.shape[0] % 8 == 0)
 
 
 def _products(B: int, x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:

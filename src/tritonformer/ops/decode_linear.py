@@ -635,9 +635,8 @@ def _no_products(x, outs, biases, residual, total, norm_weight, norm_offset, wor
         return [prepared_words(outs[0])] + ([total] if total is not None else [])
     # An empty product is 0: the output is the residual (two bf16 adds) and is prepared from it.
     outs[0].copy_(outs[0] + residual)
-    row = outs[0].float()
-    words.copy_(prepared_words(row * (norm_offset + norm_weight.float())))
-    quads.copy_(row.pow(2).view(-1, 4).sum(1))
+    for out, prepared in zip((words, quads), _norm_input_words(outs[0], norm_weight, norm_offset)):
+        out.copy_(prepared)
     return [outs[0], words, quads]
 
 
@@ -700,17 +699,17 @@ def decode_linear_into_norm(x: torch.Tensor | PreparedRow, weight: QuantizedTens
     """(rms_norm(y) prepared for the next fp4 products, y) for y = (x w^T + b) + residual, each add
     rounded to bf16 as two adds in bf16 round it: one fp4 weight, one bf16 row, its N a multiple
     of 8 (a layer's o or down projection, whose sum the next layer's norm takes)."""
-    if isinstance(x, PreparedRow):
+    x_words = isinstance(x, PreparedRow)
+    if x_words:
         _check_prepared(x, (weight,), None if bias is None else [bias], None, None)
         if x.squares is not None:
             raise ValueError("decode_linear_into_norm takes a PreparedRow without a norm (an activation's)")
-        x_squares, x_eps, x_words, x = None, 0.0, True, x.words
+        x = x.words
     else:
         _check(x, (weight,), None, None, None)
-        x_squares, x_eps, x_words = None, 0.0, False
     _check_words_out(x, weight, bias, residual, norm, linear=True)
-    y, words, squares = decode_products(x, *_weight_args((weight,)), [bias], norm[0], x_eps, float(norm[2]),
-                                        residual, False, x_squares, x_words, True)
+    y, words, squares = decode_products(x, *_weight_args((weight,)), [bias], norm[0], 0.0, float(norm[2]),
+                                        residual, False, None, x_words, True)
     return PreparedRow(words, squares, float(norm[1])), y
 
 
@@ -755,6 +754,17 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return w.dequantize(torch.float32).to(dtype) if isinstance(w, QuantizedTensor) else w
 
 
+def _norm_input_words(row: torch.Tensor, norm_weight: torch.Tensor, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PreparedRow's (words, squares) of a bf16 row that a norm of (offset + norm_weight) takes."""
+    row = row.float()
+    return prepared_words(row * (offset + norm_weight.float())), row.pow(2).reshape(-1, 4).sum(1)
+
+
+def _reference_row(x):
+    """x, or the bf16 row a PreparedRow's products take."""
+    return unprepared(x).to(x.words.dtype) if isinstance(x, PreparedRow) else x
+
+
 def unprepared(x: PreparedRow) -> torch.Tensor:
     """The float32 row a PreparedRow's products take: rms_norm's output with a norm, else x."""
     words = x.words.float()
@@ -765,18 +775,14 @@ def unprepared(x: PreparedRow) -> torch.Tensor:
 
 
 def decode_linear_reference(x, weights, biases=None, norm=None, residual=None):
-    if isinstance(x, PreparedRow):
-        x = unprepared(x).to(x.words.dtype)
-    h, total = _normed_reference(x, norm, residual)
+    h, total = _normed_reference(_reference_row(x), norm, residual)
     biases = biases or [None] * len(weights)
     outs = tuple(torch.nn.functional.linear(h, _dense(w, h.dtype), b) for w, b in zip(weights, biases))
     return outs if total is None else (*outs, total)
 
 
 def decode_swiglu_reference(x, w_gate, w_up, norm=None, residual=None, prepared=False):
-    if isinstance(x, PreparedRow):
-        x = unprepared(x).to(x.words.dtype)
-    h, total = _normed_reference(x, norm, residual)
+    h, total = _normed_reference(_reference_row(x), norm, residual)
     gate, up = (torch.nn.functional.linear(h, _dense(w, h.dtype)) for w in (w_gate, w_up))
     act = torch.nn.functional.silu(gate) * up
     if prepared:
@@ -786,10 +792,7 @@ def decode_swiglu_reference(x, w_gate, w_up, norm=None, residual=None, prepared=
 
 def decode_linear_into_norm_reference(x, weight, residual, norm, bias=None):
     """decode_linear_into_norm's (PreparedRow, sum), the sum rounded as the op rounds it."""
-    if isinstance(x, PreparedRow):
-        x = unprepared(x).to(x.words.dtype)
     y, = decode_linear_reference(x, [weight], [bias])
     y = (y.to(residual.dtype).float() + residual.float()).to(residual.dtype)
     nw, eps, offset = norm
-    words = prepared_words(y.float() * (offset + nw.float()))
-    return PreparedRow(words, y.float().pow(2).reshape(-1, 4).sum(1), float(eps)), y
+    return PreparedRow(*_norm_input_words(y, nw, offset), float(eps)), y
