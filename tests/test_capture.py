@@ -210,9 +210,9 @@ def _scribble():
     del junk
 
 
-def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
-    """Losses and final parameters of a patched tiny Llama trained with fused AdamW (and a
-    linear warm-up of its learning rate) on batches of the given (batch, seq) shapes."""
+def _hf_training(steps_shapes, captured: bool, scheduler: bool = True, optimizer=torch.optim.AdamW):
+    """Losses and final parameters of a patched tiny Llama trained with fused AdamW, torch's or
+    ours (and a linear warm-up of its learning rate), on batches of the given (batch, seq) shapes."""
     transformers = pytest.importorskip("transformers")
     from tritonformer.integrations import hf
 
@@ -222,7 +222,7 @@ def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
                                       max_position_embeddings=64)
     model = hf.patch(transformers.AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16))
     # Learning rates exact in float32: the captured step reads a float32 tensor, eager a double.
-    opt = torch.optim.AdamW(model.parameters(), lr=2**-10, fused=True)
+    opt = optimizer(model.parameters(), lr=2**-10, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4)) if scheduler else None
 
     def step(ids):
@@ -244,20 +244,22 @@ def _hf_training(steps_shapes, captured: bool, scheduler: bool = True):
 
 
 @gpu_only
-def test_hf_training_under_cuda_graphs_matches_eager_bitwise():
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, tritonformer.optim.AdamW], ids=["torch", "tritonformer"])
+def test_hf_training_under_cuda_graphs_matches_eager_bitwise(optimizer):
     shapes = [(2, 32)] * 20
-    losses, params, run = _hf_training(shapes, captured=True)
-    ref_losses, ref_params, _ = _hf_training(shapes, captured=False)
+    losses, params, run = _hf_training(shapes, captured=True, optimizer=optimizer)
+    ref_losses, ref_params, _ = _hf_training(shapes, captured=False, optimizer=optimizer)
     assert len(run.graphs) == 1
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
 
 
 @gpu_only
-def test_hf_training_under_cuda_graphs_recaptures_a_new_batch_shape():
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, tritonformer.optim.AdamW], ids=["torch", "tritonformer"])
+def test_hf_training_under_cuda_graphs_recaptures_a_new_batch_shape(optimizer):
     shapes = [(2, 32)] * 4 + [(4, 16)] * 4 + [(2, 32)] * 2
-    losses, params, run = _hf_training(shapes, captured=True, scheduler=False)
-    ref_losses, ref_params, _ = _hf_training(shapes, captured=False, scheduler=False)
+    losses, params, run = _hf_training(shapes, captured=True, scheduler=False, optimizer=optimizer)
+    ref_losses, ref_params, _ = _hf_training(shapes, captured=False, scheduler=False, optimizer=optimizer)
     assert len(run.graphs) == 2
     assert torch.equal(losses, ref_losses)
     assert all(torch.equal(p, q) for p, q in zip(params, ref_params))

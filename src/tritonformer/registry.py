@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from .cases import (add, attention, cross_entropy, decode_linear, matmul, moe, norm, rope, scaled_matmul, softmax,
-                    swiglu)
+from .cases import (adamw, add, attention, cross_entropy, decode_linear, matmul, moe, norm, rope, scaled_matmul,
+                    softmax, swiglu)
 from .spec import OpSpec
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     add.SPEC,
+    adamw.SPEC,
     attention.SPEC,
     attention.DECODE_SPEC,
     softmax.SPEC,

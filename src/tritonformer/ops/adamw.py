@@ -1,0 +1,340 @@
+"""AdamW's update of many tensors in one launch (what `tritonformer.optim.AdamW` runs), as torch's
+AdamW computes it:
+
+    step += 1
+    p  = p * (1 - lr * weight_decay)
+    m  = m + (1 - beta1) * (g - m)
+    v  = beta2 * v + (1 - beta2) * g^2            (amsgrad: v_max = max(v_max, v), read below)
+    p  = p - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+
+`adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, ...)` updates lists of tensors in place
+(`steps`: one float32 count a tensor, on its device). Each tensor's elements are addressed as an
+offset from the first tensor of its list, so one launch covers every tensor of a dtype: programs
+of BLOCK elements find their tensor and block in a work table. The tables live on the device,
+keyed by the tensors' addresses (gradients set to None between steps come back at the same
+addresses, so a step looks them up); a CUDA graph reads the ones copied while it was captured.
+Arithmetic in float32, stored in the tensors' dtype. Design: docs/optim.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+
+# A program updates 4096 elements of one tensor on 8 warps: 16 a thread and stream (two 16-byte
+# loads in 16-bit). H200: 156 registers, one program an SM, 2.0 TB/s (docs/optim.md).
+BLOCK = 4096
+NUM_WARPS = 8
+# Columns of a tensor's row in the address table: its element count, then the offsets of its param,
+# grad, exp_avg, exp_avg_sq, max_exp_avg_sq and step from the first tensor of each list (_plan).
+_COLUMNS = 7
+
+
+@triton.jit
+def _inverse_bias_correction(step, log_beta_hi, log_beta_lo):
+    """1 / (1 - beta^step), in float64: 1 - 0.999^1 in float32 keeps half its digits. log(beta)
+    comes as a float32 pair whose sum is its float64 value."""
+    log_beta = tl.cast(log_beta_hi, tl.float64) + tl.cast(log_beta_lo, tl.float64)
+    return 1.0 / (1.0 - tl.exp(step.to(tl.float64) * log_beta))
+
+
+@triton.jit
+def _load(ptr, ok, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, value, ok, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, ok, lr, step_size, sqrt_bias_correction2, beta1_complement,
+            beta2, beta2_complement, eps, weight_decay, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
+            MASKED: tl.constexpr):
+    """One block's update (the pointers at its tensor's start, idx its elements)."""
+    g = _load(g_ptr + idx, ok, MASKED)
+    p = _load(p_ptr + idx, ok, MASKED)
+    m = _load(m_ptr + idx, ok, MASKED)
+    v = _load(v_ptr + idx, ok, MASKED)
+    if MAXIMIZE:
+        g = -g
+    p = p * (1.0 - lr * weight_decay)
+    m = m + beta1_complement * (g - m)
+    v = v * beta2 + beta2_complement * g * g
+    _store(m_ptr + idx, m, ok, MASKED)
+    _store(v_ptr + idx, v, ok, MASKED)
+    if AMSGRAD:
+        v = tl.maximum(_load(vmax_ptr + idx, ok, MASKED), v)
+        _store(vmax_ptr + idx, v, ok, MASKED)
+    # Rounded divisions and square root, as torch's AdamW: float32 params keep its last bits.
+    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias_correction2) + eps
+    _store(p_ptr + idx, p - step_size * tl.div_rn(m, denom), ok, MASKED)
+
+
+# lr_in_tensor is a runtime flag, not a constexpr: capture_step moves a float lr into a tensor
+# between a step's first call and its capture, and a compile must not fall inside a capture.
+@triton.jit(do_not_specialize=["lr_in_tensor"])
+def _adamw_kernel(
+    table_ptr, work_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, step_ptr, lr_ptr, lr, lr_in_tensor, beta1_complement,
+    beta2, beta2_complement, log_beta1_hi, log_beta1_lo, log_beta2_hi, log_beta2_lo, eps, weight_decay,
+    MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    work = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(work_ptr + 2 * work).to(tl.int64)
+    block = tl.load(work_ptr + 2 * work + 1).to(tl.int64)
+    row = table_ptr + tensor * 7  # _COLUMNS
+    n = tl.load(row)
+    # Offsets come in units of VEC elements (16 bytes where every tensor starts on 16 bytes): the
+    # compiler then knows each block starts aligned and issues 16-byte loads (docs/optim.md).
+    p_ptr += tl.load(row + 1) * VEC
+    g_ptr += tl.load(row + 2) * VEC
+    m_ptr += tl.load(row + 3) * VEC
+    v_ptr += tl.load(row + 4) * VEC
+    if AMSGRAD:
+        vmax_ptr += tl.load(row + 5) * VEC
+    step = tl.load(step_ptr + tl.load(row + 6))
+    if lr_in_tensor != 0:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    step_size = (lr * _inverse_bias_correction(step, log_beta1_hi, log_beta1_lo)).to(tl.float32)
+    sqrt_bias_correction2 = tl.sqrt(1.0 / _inverse_bias_correction(step, log_beta2_hi, log_beta2_lo)).to(tl.float32)
+    idx = block * BLOCK + tl.arange(0, BLOCK)
+    # Whole blocks load without a mask: a mask against an element count of unknown divisibility
+    # would split the 16-byte loads into single elements.
+    if block * BLOCK + BLOCK <= n:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, None, lr, step_size, sqrt_bias_correction2,
+                beta1_complement, beta2, beta2_complement, eps, weight_decay, MAXIMIZE, AMSGRAD, False)
+    else:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, idx < n, lr, step_size, sqrt_bias_correction2,
+                beta1_complement, beta2, beta2_complement, eps, weight_decay, MAXIMIZE, AMSGRAD, True)
+
+
+_launch = runtime.FastLaunch(_adamw_kernel)
+
+
+class _Plan:
+    """One launch's address and work tables on the device (`table`, `work`) and the host buffer
+    they were copied from (a CUDA graph that copied them replays that copy: a plan used while
+    capturing is `kept` for good); `first`, the index of the first tensor that has elements (the
+    tables' bases); `vec`, the elements an offset counts (16 bytes' worth, or 1)."""
+
+    __slots__ = ("table", "work", "host", "kept", "first", "vec")
+
+    def __init__(self, table, work, host, kept, first, vec):
+        self.table, self.work, self.host, self.kept, self.first, self.vec = table, work, host, kept, first, vec
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_UNKEPT = 8
+# A pinned buffer per device and size, allocated outside any capture: a stream that captures
+# allows no pinned allocation, and a captured step's gradients sit at new addresses.
+_SPARE_HOST: dict[tuple, torch.Tensor] = {}
+
+
+def _host_buffer(size: int, device: torch.device, capturing: bool) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.empty(size, dtype=torch.int64)
+    spare = _SPARE_HOST.pop((device, size), None)
+    if capturing:
+        if spare is None:
+            raise RuntimeError("adamw_step: no step of these tensors ran before the CUDA graph capture began; "
+                               "run one outside the capture first (tritonformer.capture_step does)")
+        return spare
+    _SPARE_HOST[(device, size)] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+    return spare if spare is not None else torch.empty(size, dtype=torch.int64, pin_memory=True)
+
+
+def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], capturing: bool) -> _Plan:
+    """Row j of the address table: tensor j's element count, then the offsets of its param, grad,
+    exp_avg, exp_avg_sq, max_exp_avg_sq and step from those of the first tensor with elements (two
+    tensors of one dtype lie whole elements apart), the first five in units of 16 bytes where
+    every tensor starts on 16 bytes; empty tensors have no row. Row w of the work table: (tensor,
+    block)."""
+    chosen = [j for j, p in enumerate(columns[0]) if p.numel()]
+    first = chosen[0]
+    lists = [*columns, steps]
+    bases = [column[first].data_ptr() for column in lists]
+    sizes = [column[first].element_size() for column in lists]
+    rows = [(columns[0][j].numel(), *((column[j].data_ptr() - base) // size
+                                      for column, base, size in zip(lists, bases, sizes))) for j in chosen]
+    vec = 16 // sizes[0]
+    if all(base % 16 == 0 for base in bases[:5]) and all(off % vec == 0 for row in rows for off in row[1:6]):
+        rows = [(row[0], *(off // vec for off in row[1:6]), row[6]) for row in rows]
+    else:
+        vec = 1
+    counts = torch.tensor([runtime.cdiv(row[0], BLOCK) for row in rows])
+    total = int(counts.sum())
+    device = steps[0].device
+    host = _host_buffer(len(rows) * _COLUMNS + total, device, capturing)
+    table, work = host[:len(rows) * _COLUMNS], host[len(rows) * _COLUMNS:].view(torch.int32)
+    table.copy_(torch.tensor(rows).flatten())
+    first_blocks = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    work.view(total, 2).copy_(torch.stack([torch.repeat_interleave(torch.arange(len(rows)), counts),
+                                           torch.arange(total) - first_blocks], 1))
+    if device.type == "cuda":
+        table, work = table.to(device, non_blocking=True), work.to(device, non_blocking=True)
+    return _Plan(table, work, host, capturing, first, vec)
+
+
+def _remember(key: tuple, plan: _Plan) -> None:
+    if not plan.kept and sum(not p.kept for p in _PLANS.values()) >= _MAX_UNKEPT:
+        for old in [k for k, p in _PLANS.items() if not p.kept]:
+            del _PLANS[old]
+    _PLANS[key] = plan
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_betas(beta1: float, beta2: float) -> tuple[float, ...]:
+    """1 - beta1, beta2, 1 - beta2 (each rounded once to float32 from its float64 value), and
+    log(beta1), log(beta2) as float32 pairs of hi + lo (log 0: -inf, 0)."""
+    def pair(x: float) -> tuple[float, float]:
+        if x == 0:
+            return -math.inf, 0.0
+        hi = struct.unpack("f", struct.pack("f", math.log(x)))[0]
+        return hi, math.log(x) - hi
+
+    return (1.0 - beta1, beta2, 1.0 - beta2, *pair(beta1), *pair(beta2))
+
+
+def _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tensor) -> None:
+    lists = dict(grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    if max_exp_avg_sqs:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, items in lists.items():
+        if len(items) != len(params):
+            raise ValueError(f"{name} has {len(items)} tensors, params {len(params)}: one for each param")
+    if lr_tensor is not None:
+        runtime.check_tensor("lr", lr_tensor, (torch.float32, torch.float64))
+        if lr_tensor.numel() != 1:
+            raise ValueError(f"lr must hold one value, got shape {tuple(lr_tensor.shape)}")
+    if not params:
+        return
+    dtype, device = params[0].dtype, params[0].device
+    for i, p in enumerate(params):
+        runtime.check_tensor(f"params[{i}]", p, runtime.FLOAT_DTYPES)
+        if p.dtype != dtype or p.device != device:
+            raise ValueError(f"params[{i}] is {p.dtype} on {p.device}, params[0] {dtype} on {device}: one launch "
+                             "takes one dtype and device (tritonformer.optim.AdamW groups them)")
+        for name, items in lists.items():
+            t = items[i]
+            if name == "steps":
+                runtime.check_tensor(f"steps[{i}]", t, (torch.float32,))
+                if t.numel() != 1 or t.device != device:
+                    raise ValueError(f"steps[{i}] must be one float32 count on {device}, got shape "
+                                     f"{tuple(t.shape)} on {t.device}")
+            elif not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype or t.device != device:
+                what = (f"{t.dtype} of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                        else type(t).__name__)
+                raise ValueError(f"{name}[{i}] is {what}; params[{i}] is {dtype} of shape {tuple(p.shape)} on "
+                                 f"{device}: they must match")
+            elif t.layout != torch.strided:
+                raise ValueError(f"{name}[{i}] has layout {t.layout}: AdamW takes dense tensors")
+
+
+def _fake_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr, lr_tensor, beta1, beta2,
+                     eps, weight_decay, maximize):
+    return None
+
+
+@runtime.custom_op("adamw_step", fake=_fake_adamw_step,
+                   mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "max_exp_avg_sqs"))
+def adamw_launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
+                 lr: float, lr_tensor: torch.Tensor | None, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, maximize: bool) -> None:
+    """adamw_step's launch, registered for torch.compile (the lr a float or a one-value tensor)."""
+    if lr_tensor is None and not math.isfinite(lr):
+        raise ValueError(f"lr must be finite, got {lr}")
+    if not params:
+        return
+    amsgrad = bool(max_exp_avg_sqs)
+    columns = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs)
+    address, numel = torch.Tensor.data_ptr, torch.Tensor.numel
+    # The plan of these tensors (their addresses and sizes): checks, copies and tables on a new key only.
+    try:
+        key = (params[0].dtype, amsgrad, None if lr_tensor is None else address(lr_tensor),
+               *(a for column in columns[:4 + amsgrad] for a in map(address, column)), *map(address, steps),
+               *map(numel, params))
+    except (TypeError, AttributeError):
+        key = None
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tensor)
+        if not all(t.is_contiguous() for column in columns for t in column):
+            _step_on_contiguous_copies(columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize)
+            return
+        if not any(map(numel, params)):
+            torch._foreach_add_(steps, 1.0)
+            return
+        device = params[0].device
+        plan = _plan(columns, steps, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if not runtime.compiling_ahead():  # a warm-up's example tensors (in a background thread) keep no plan
+            _remember(key, plan)
+    elif not plan.kept and params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        plan.kept = True
+    torch._foreach_add_(steps, 1.0)
+    first = plan.first
+    _launch((plan.work.numel() // 2,), plan.table, plan.work, *(column[first] for column in columns), steps[first],
+            steps[first] if lr_tensor is None else lr_tensor, lr, int(lr_tensor is not None),
+            *_kernel_betas(beta1, beta2), eps, weight_decay, MAXIMIZE=maximize, AMSGRAD=amsgrad, VEC=plan.vec,
+            BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def _step_on_contiguous_copies(columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize) -> None:
+    """The step of tensors some of which are strided: on contiguous copies, then copied back (the
+    kernel walks each tensor's memory in order). The copies' plan is not kept: their addresses
+    change every call."""
+    amsgrad = columns[4] is not columns[3]
+    copies = [[t.contiguous() for t in column] for column in columns[:4 + amsgrad]]
+    adamw_launch(*copies[:4], steps, copies[4] if amsgrad else [], lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                 maximize)
+    for column, copied in zip(columns[:1] + columns[2:], copies[:1] + copies[2:]):
+        for t, c in zip(column, copied):
+            if c is not t:
+                t.copy_(c)
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float | torch.Tensor,
+               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+               maximize: bool = False, max_exp_avg_sqs: list[torch.Tensor] | None = None) -> None:
+    """One AdamW step over lists of tensors of one dtype and device, in place: params, exp_avgs,
+    exp_avg_sqs (and max_exp_avg_sqs: amsgrad) updated, each of `steps` (float32, one value each,
+    on the params' device) counted up by one first. `lr` a float or a one-value tensor (read on the
+    device: a CUDA graph replays with its value at the time)."""
+    max_exp_avg_sqs = list(max_exp_avg_sqs or [])
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    lr_value = 0.0 if lr_tensor is not None else lr
+    adamw_launch(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), max_exp_avg_sqs,
+                 float(lr_value), lr_tensor, float(beta1), float(beta2), float(eps), float(weight_decay),
+                 bool(maximize))
+
+
+def adamw_step_reference(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=1e-2, maximize=False, max_exp_avg_sqs=None) -> None:
+    """The same step in torch, one tensor at a time, in the tensors' own dtype (float64 in the tests)."""
+    lr = float(lr)
+    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        step += 1
+        g = -g if maximize else g
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if max_exp_avg_sqs:
+            torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
+            v = max_exp_avg_sqs[i]
+        t = float(step)
+        denom = v.sqrt() / math.sqrt(1 - beta2**t) + eps
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))

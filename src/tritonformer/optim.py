@@ -1,0 +1,101 @@
+"""`tritonformer.optim.AdamW`: torch's AdamW (same arguments, state and state_dict; a subclass), its
+step one launch for each dtype and device of a parameter group (ops/adamw.py; docs/optim.md).
+
+    opt = tritonformer.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+The step counts live on the parameters' device (as torch's capturable AdamW keeps them, whatever
+`capturable` says), so the step can be captured in a CUDA graph (`tritonformer.capture_step`), with
+the learning rate a float or a tensor (which schedulers update in place). `foreach` and `fused` are
+taken and ignored: there is one implementation. `differentiable=True` is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import runtime
+from .ops.adamw import adamw_step
+
+__all__ = ["AdamW"]
+
+
+class AdamW(torch.optim.AdamW):
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False, foreach=None,
+                 capturable: bool = False, differentiable: bool = False, fused=None) -> None:
+        if differentiable:
+            raise ValueError("tritonformer.optim.AdamW has no differentiable step; use torch.optim.AdamW for that")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, capturable=capturable)
+        self._compile_ahead()
+
+    def _compile_ahead(self) -> None:
+        """Compile the step's kernel for each group's dtypes in the background now, not at the
+        first step (about a second of a small model's warm-up)."""
+        for group in self.param_groups:
+            for dtype, device in {(p.dtype, p.device) for p in group["params"] if p.is_cuda}:
+                example = [[torch.zeros(16, dtype=dtype, device=device)] for _ in range(5)]
+                step = functools.partial(adamw_step, *example[:4], [torch.zeros((), device=device)], lr=0.0,
+                                         maximize=group["maximize"],
+                                         max_exp_avg_sqs=example[4] if group["amsgrad"] else None)
+                runtime.compile_ahead(("adamw", device, dtype, group["amsgrad"], group["maximize"]), step)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._counts_on_devices()
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._counts_on_devices()
+
+    def _counts_on_devices(self) -> None:
+        """Step counts as this step reads them: float32 on each parameter's device (a state_dict of
+        torch's non-capturable AdamW holds them on the CPU)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            amsgrad = group["amsgrad"]
+            buckets: dict[tuple, tuple[list, ...]] = {}
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if amsgrad:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                lists = buckets.get((p.device, p.dtype))
+                if lists is None:
+                    lists = buckets[(p.device, p.dtype)] = ([], [], [], [], [], [])
+                lists[0].append(p)
+                lists[1].append(grad)
+                lists[2].append(state["exp_avg"])
+                lists[3].append(state["exp_avg_sq"])
+                lists[4].append(state["step"])
+                if amsgrad:
+                    lists[5].append(state["max_exp_avg_sq"])
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs) in buckets.items():
+                lr = group["lr"]
+                if isinstance(lr, torch.Tensor) and lr.device != device:
+                    lr = lr.item()  # a CPU tensor's value: no wait for a device
+                adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], maximize=group["maximize"],
+                           max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+        return loss

@@ -1,0 +1,148 @@
+"""tritonformer.optim.AdamW against torch.optim.AdamW over several steps (the kernel's one step
+against a float64 reference is the registry's test), its state_dict both ways, torch.compile,
+and bad input."""
+
+import pytest
+import torch
+
+import tritonformer
+from tritonformer import runtime
+from tritonformer.ops.adamw import adamw_step
+from tritonformer.optim import AdamW
+from tritonformer.testing import check_close
+
+DEVICE = runtime.DEVICE
+
+
+def _model_params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (4097,), (1,), (0, 2), (64, 33)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, dtype)) for s in shapes]
+
+
+def _train(opt_class, params, steps, skip=(), scheduler=False, grad_dtype=None, **options):
+    """The optimizer after `steps` steps of random gradients (the same for every optimizer, drawn
+    in grad_dtype, the params' by default); the param at index i gets no gradient at the steps
+    listed in skip[i]."""
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-2, "weight_decay": 0.0}]
+    opt = opt_class(groups, lr=1e-2, weight_decay=0.1, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1)) if scheduler else None
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            grad = torch.randn(p.shape, generator=g).to(DEVICE, grad_dtype or p.dtype).to(p.dtype)
+            p.grad = None if step in dict(skip).get(i, ()) else grad
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return opt
+
+
+@pytest.mark.parametrize("dtype", runtime.FLOAT_DTYPES)
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}])
+def test_matches_torch_adamw_over_steps(dtype, options):
+    # torch's AdamW in float32 from the same values: in fp16 its own step overflows (eps 1e-8 is 0 there).
+    ours, theirs = _model_params(dtype), [torch.nn.Parameter(p.float()) for p in _model_params(dtype)]
+    skip = [(1, (2, 3))]  # a param without a gradient skips the step and keeps its count
+    opt = _train(AdamW, ours, 6, skip, scheduler=True, **options)
+    ref = _train(torch.optim.AdamW, theirs, 6, skip, scheduler=True, grad_dtype=dtype, foreach=False, **options)
+    # Norm-wise over all tensors: 16-bit params and moments round each step, where float32 does not.
+    def flat(tensors):
+        return torch.cat([t.detach().float().flatten() for t in tensors])
+
+    assert check_close(flat(ours), flat(theirs), dtype, "norm") is None
+    live = [(p, q) for p, q in zip(ours, theirs) if p.numel()]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert check_close(flat(opt.state[p][name] for p, _ in live), flat(ref.state[q][name] for _, q in live),
+                           dtype, "norm") is None, name
+    assert [float(opt.state[p]["step"]) for p, _ in live] == [float(ref.state[q]["step"]) for _, q in live]
+    assert float(opt.state[ours[1]]["step"]) == 4
+
+
+def test_a_learning_rate_tensor_is_read_where_it_lives():
+    ours, theirs = _model_params(torch.float32), _model_params(torch.float32)
+    lr = torch.tensor(1e-2, device=DEVICE)
+    opt = AdamW(ours, lr=lr)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    for _ in range(2):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.ones_like(p)
+            q.grad = torch.ones_like(q)
+        opt.step()
+        ref.step()
+        lr.fill_(5e-3)  # in place, as a scheduler updates a tensor learning rate
+        ref.param_groups[0]["lr"] = 5e-3
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_loads_both_ways_with_torch():
+    ours, theirs = _model_params(torch.float32), _model_params(torch.float32)
+    opt = _train(AdamW, ours, 3)
+    ref = _train(torch.optim.AdamW, theirs, 3, foreach=False)
+    # torch's state_dict (step counts on the host) into ours, and ours into torch's.
+    into_ours, into_torch = _model_params(torch.float32, seed=5), _model_params(torch.float32, seed=5)
+    for src, dst in ((theirs, into_ours), (ours, into_torch)):
+        with torch.no_grad():
+            for s, d in zip(src, dst):
+                d.copy_(s)
+    loaded_ours = _train(AdamW, into_ours, 0)
+    loaded_ours.load_state_dict(ref.state_dict())
+    loaded_torch = _train(torch.optim.AdamW, into_torch, 0, foreach=False)
+    loaded_torch.load_state_dict(opt.state_dict())
+    assert all(s["step"].device == p.device for p, s in loaded_ours.state.items())
+    for pair in ((loaded_ours, into_ours), (loaded_torch, into_torch)):
+        for p in pair[1]:
+            p.grad = torch.ones_like(p)
+        pair[0].step()
+    for p, q in zip(into_ours, into_torch):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_steps_in_a_compiled_function():
+    params = _model_params(torch.float32)
+    states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    steps = [torch.zeros((), device=DEVICE) for _ in params]
+    grads = [torch.ones_like(p) for p in params]
+    reference = [p.detach().clone() for p in params]
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step():
+        adamw_step(params, grads, *states, steps, lr=1e-2)
+
+    with torch.no_grad():
+        step()
+        adamw_step(reference, grads, *[[torch.zeros_like(p) for p in params] for _ in range(2)],
+                   [torch.zeros((), device=DEVICE) for _ in params], lr=1e-2)
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p, q)
+    assert all(float(s) == 1 for s in steps)
+
+
+def test_bad_input_is_named():
+    p = torch.nn.Parameter(torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match="differentiable"):
+        AdamW([p], differentiable=True)
+    ok = dict(lr=1e-3)
+    lists = lambda n=1: [[torch.zeros(4, device=DEVICE) for _ in range(n)] for _ in range(4)]  # noqa: E731
+    steps = [torch.zeros((), device=DEVICE)]
+    with pytest.raises(ValueError, match="grads has 2 tensors, params 1"):
+        params, _, m, v = lists()
+        adamw_step(params, lists(2)[0], m, v, steps, **ok)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] is torch.float32 of shape \(3,\)"):
+        params, grads, _, v = lists()
+        adamw_step(params, grads, [torch.zeros(3, device=DEVICE)], v, steps, **ok)
+    with pytest.raises(TypeError, match=r"steps\[0\] has dtype torch.int64"):
+        adamw_step(*lists(), [torch.zeros((), dtype=torch.int64, device=DEVICE)], **ok)
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float64"):
+        adamw_step(*[[t.double() for t in column] for column in lists()], steps, **ok)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        adamw_step(*lists(), steps, lr=float("nan"))
+    p.grad = torch.zeros(4, device=DEVICE).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        AdamW([p]).step()
+
+
+def test_exported():
+    assert tritonformer.optim.AdamW is AdamW and tritonformer.adamw_step is adamw_step
+    assert isinstance(AdamW([torch.nn.Parameter(torch.zeros(1, device=DEVICE))]), torch.optim.AdamW)
