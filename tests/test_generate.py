@@ -383,6 +383,36 @@ def test_fp4_layers_chained_decode_as_the_same_products_unchained(device, monkey
         assert torch.equal(chained, unchained)
 
 
+def test_a_quantized_lm_head_decodes_through_decode_linear(device, monkeypatch):
+    """quantize_lm_head=True: lm_head becomes block-scaled too (the embedding stays bf16), the
+    decode step reads it in decode_linear at one row, and the tokens are the patched model's own
+    teacher-forced argmax within bf16 tolerance."""
+    model = _model("llama", dtype=torch.bfloat16, device=device, eos_token_id=None, pad_token_id=0, hidden_size=64,
+                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3,
+                   tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="quantize_lm_head=True takes weights="):
+        hf.patch(model, quantize_lm_head=True)
+    hf.patch(model, weights="mxfp4", quantize_lm_head=True)
+    assert type(model.lm_head) is tritonformer.nn.QuantizedLinear and model.lm_head.fmt == "mxfp4"
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    if device == "cpu":  # the prefill's and the reference's scaled_matmul take minutes under the interpreter
+        monkeypatch.setattr(tritonformer.nn.QuantizedLinear, "forward", lambda self, x: torch.nn.functional.linear(
+            x, self.weight.dequantize(torch.float32).to(x.dtype), self.bias))
+    heads = []
+    original = decoding.decode_linear
+
+    def decode_linear(x, weights, *args, **kwargs):
+        if not runtime.compiling_ahead() and weights[0] is model.lm_head.weight:
+            heads.append(type(x).__name__)
+        return original(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "decode_linear", decode_linear)
+    ids = torch.randint(1, VOCAB, (1, 3), device=device)
+    ours = decoding.generate(model, ids, max_new_tokens=4, cuda_graph=False)
+    assert heads == ["Tensor"] * 3  # the three decode steps (the prefill picks the first token)
+    _assert_hfs_argmax_within_tolerance(model, ids, torch.ones_like(ids), ours)
+
+
 @gpu_only
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_weights_of_one_sequence_decode_through_decode_linear(device, fmt, monkeypatch):

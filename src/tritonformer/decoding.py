@@ -109,8 +109,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *dense):
             if type(linear) not in (torch.nn.Linear, QuantizedLinear):
                 return f"a projection is a {type(linear).__name__}, not a plain nn.Linear or QuantizedLinear"
-    if type(model.lm_head) is not torch.nn.Linear:
-        return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear"
+    if type(model.lm_head) not in (torch.nn.Linear, QuantizedLinear):
+        return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear or QuantizedLinear"
     dtypes = {p.dtype for p in model.parameters()}
     if any(isinstance(m, QuantizedLinear) for m in model.modules()) and dtypes != {torch.bfloat16}:
         return "block-scaled projections take bf16 activations: the model must be bf16"
@@ -187,7 +187,8 @@ class _Decoder:
         self.family = FAMILIES[config.model_type]
         # Gemma 2's final-logit softcapping, before the pick.
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
-        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        embedding = inner.embed_tokens.weight  # lm_head's may be block-scaled (hf.patch's quantize_lm_head)
+        device, dtype = embedding.device, embedding.dtype
         self.windows = [self._window(config, layer.self_attn, self.family) for layer in inner.layers]
         shape = (batch, self.kv_heads, capacity, self.head_dim)
         # Past a sequence's length the cache is never read (poisoned in the tests).
@@ -324,7 +325,8 @@ class _Decoder:
             if family.sandwich:
                 mlp_out = rms_norm(mlp_out, *norm(layer.post_feedforward_layernorm))
         h, _ = add_rms_norm(mlp_out, residual, *norm(inner.norm))
-        logits = model.lm_head(h)
+        # A block-scaled lm_head goes through decode_linear at one row; cuBLAS streams a bf16 one at the roofline.
+        logits = _products(B, h, model.lm_head)[0] if type(model.lm_head) is QuantizedLinear else model.lm_head(h)
         if self.logit_softcap is not None:
             logits = self.logit_softcap * torch.tanh(logits.float() / self.logit_softcap)
         record_tokens(self.sampling.pick(logits), self.state, advance=True)
@@ -511,7 +513,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"tritonformer.generate: this model is not supported: {reason}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
         raise TypeError("tritonformer.generate: input_ids must be a 2-D LongTensor (batch, prompt)")
-    device = model.lm_head.weight.device
+    device = model.get_input_embeddings().weight.device
     if input_ids.device != device:
         raise ValueError(f"tritonformer.generate: input_ids are on {input_ids.device}, the model on {device}")
     B, P = input_ids.shape

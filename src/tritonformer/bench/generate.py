@@ -8,7 +8,8 @@ through HF's own generate with its dynamic cache (where a patched model's genera
 arguments tritonformer.generate does not take: "tritonformer+hf-eager") and with HF's static cache
 ("tritonformer+hf-static"), and the patched model's generate with HF's
 default arguments, which runs tritonformer.generate ("tritonformer"; "tritonformer+nvfp4" with the
-layers' projections nvfp4, hf.patch(model, weights="nvfp4"), lm_head bf16). Cases: each batch size with each prompt length;
+layers' projections nvfp4, hf.patch(model, weights="nvfp4"), lm_head bf16; "tritonformer+nvfp4-lm-head"
+with lm_head nvfp4 too, quantize_lm_head=True). Cases: each batch size with each prompt length;
 batches above 1 get prompts of mixed lengths (left-padded, from half the prompt to all of it).
 A case's first call is its warm-up (compiles and graph capture included); then a call making
 NEW_TOKENS tokens is timed REPEATS times and one making 1 (the prefill) PREFILL_REPEATS times,
@@ -34,7 +35,11 @@ from pathlib import Path
 
 from .e2e import write_page
 
-STACKS = ("hf-eager", "hf-static", "tritonformer+hf-eager", "tritonformer+hf-static", "tritonformer", "tritonformer+nvfp4")
+STACKS = ("hf-eager", "hf-static", "tritonformer+hf-eager", "tritonformer+hf-static", "tritonformer", "tritonformer+nvfp4",
+          "tritonformer+nvfp4-lm-head")
+# Stacks that run tritonformer.generate, and those of them with block-scaled weights.
+OURS = ("tritonformer", "tritonformer+nvfp4", "tritonformer+nvfp4-lm-head")
+BLOCK_SCALED = ("tritonformer+nvfp4", "tritonformer+nvfp4-lm-head")
 MODELS = {
     # The e2e model of ../shared/ANCHORS.md and the Llama-3-8B shape (issue 45).
     "e2e": dict(layers=8, hidden=2048, intermediate=8192, heads=16, kv_heads=4, vocab=128256),
@@ -106,7 +111,8 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
     model = make_model(sizes, longest, device, dtype)
     if stack.startswith("tritonformer"):
         from tritonformer.integrations import hf
-        hf.patch(model, weights="nvfp4" if stack.endswith("nvfp4") else None)
+        hf.patch(model, weights="nvfp4" if stack in BLOCK_SCALED else None,
+                 quantize_lm_head=stack == "tritonformer+nvfp4-lm-head")
     options = dict(do_sample=False, cache_implementation="static") if stack.endswith("hf-static") else \
         dict(do_sample=False)
     # The patched model's own generate takes tritonformer.generate; HF's generate is its class's.
@@ -129,7 +135,7 @@ def run_stack(stack: str, sizes: dict, cases: list, new_tokens: int, repeats: in
             torch.cuda.reset_peak_memory_stats()
         warmup = timed(ids, mask, new_tokens)
         # The patched model's generate must have taken tritonformer.generate, not HF's.
-        ours = stack in ("tritonformer", "tritonformer+nvfp4")
+        ours = stack in OURS
         assert ours == (model in decoding.DECODERS), f"{stack}: the wrong generate ran"
         full = statistics.median(timed(ids, mask, new_tokens) for _ in range(repeats))
         prefill = statistics.median(timed(ids, mask, 1) for _ in range(PREFILL_REPEATS if repeats > 1 else 1))
@@ -152,11 +158,11 @@ def run(out_dir: Path, quick: bool, stacks=STACKS, model: str = "e2e", batches=B
     cases = [(b, p) for p in (QUICK["prompts"] if quick else prompts_) for b in (QUICK["batches"] if quick else batches)]
     new_tokens = QUICK["new_tokens"] if quick else NEW_TOKENS
     repeats = QUICK["repeats"] if quick else REPEATS
-    if quick and "tritonformer+nvfp4" in stacks:
-        # Its bf16 model's block-scaled products take minutes under the interpreter (the tests
+    if quick and set(stacks) & set(BLOCK_SCALED):
+        # Their bf16 model's block-scaled products take minutes under the interpreter (the tests
         # check that path's tokens against HF's on a GPU, and mxfp8's on a CPU).
-        print("[generate] tritonformer+nvfp4: left out under the interpreter", flush=True)
-        stacks = [stack for stack in stacks if stack != "tritonformer+nvfp4"]
+        print("[generate] the nvfp4 stacks: left out under the interpreter", flush=True)
+        stacks = [stack for stack in stacks if stack not in BLOCK_SCALED]
     ceilings = runner.measure_ceilings(quick=True)
     runner.free_device_memory()
     rows = []

@@ -912,7 +912,7 @@ def unpatch_family(name: str) -> None:
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
+def _quantize_projections(base: torch.nn.Module, fmt: str, lm_head: bool) -> None:
     if fmt not in quant.FORMATS:
         raise ValueError(f"tritonformer.integrations.hf.patch: weights must be one of {', '.join(quant.FORMATS)}, "
                          f"got {fmt!r}")
@@ -928,9 +928,12 @@ def _quantize_projections(base: torch.nn.Module, fmt: str) -> None:
                 linear = getattr(owner, name, None)
                 if type(linear) is torch.nn.Linear:
                     setattr(owner, name, QuantizedLinear.from_linear(linear, fmt))
+    if lm_head and type(base.lm_head) is torch.nn.Linear:
+        base.lm_head = QuantizedLinear.from_linear(base.lm_head, fmt)
 
 
-def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None) -> torch.nn.Module:
+def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None,
+          quantize_lm_head: bool = False) -> torch.nn.Module:
     """Patch one model (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 (text),
     Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
     twice is harmless. attention=False keeps the model's attention implementation, and so does a
@@ -941,13 +944,18 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
     weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
     projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,
     the products in scaled_matmul: decoding reads 3.6-1.9x fewer weight bytes); the embedding and
-    lm_head stay bf16 (the logits' precision; a tied lm_head is the embedding). The weights are
-    frozen (their inputs still get gradients, as for adapters) and unpatch leaves them quantized:
-    the conversion cannot be undone."""
+    lm_head stay bf16 (the logits' precision; a tied lm_head is the embedding), unless
+    quantize_lm_head=True: then lm_head gets a block-scaled copy of its weight (untied from the
+    embedding, which stays bf16), read at a fraction of the bytes, and the logits carry its
+    rounding (greedy tokens can differ from the bf16 lm_head's where two logits are close). The
+    weights are frozen (their inputs still get gradients, as for adapters) and unpatch leaves them
+    quantized: the conversion cannot be undone."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     family = _family_of(base)
+    if quantize_lm_head and weights is None:
+        raise ValueError("tritonformer.integrations.hf.patch: quantize_lm_head=True takes weights= (its format)")
     if weights is not None:
-        _quantize_projections(base, weights)
+        _quantize_projections(base, weights, quantize_lm_head)
     state = getattr(base, "_tritonformer", None)
     if state is not None:
         return model
