@@ -11,6 +11,8 @@ from tritonformer.ops.adamw import adamw_step
 from tritonformer.optim import AdamW
 from tritonformer.testing import check_close
 
+from conftest import gpu_only
+
 DEVICE = runtime.DEVICE
 
 
@@ -146,3 +148,73 @@ def test_bad_input_is_named():
 def test_exported():
     assert tritonformer.optim.AdamW is AdamW and tritonformer.adamw_step is adamw_step
     assert isinstance(AdamW([torch.nn.Parameter(torch.zeros(1, device=DEVICE))]), torch.optim.AdamW)
+
+
+def test_a_gradient_at_the_same_address_with_other_strides_is_not_taken_for_the_planned_one():
+    ours, theirs = torch.nn.Parameter(torch.randn(4, 8, device=DEVICE)), torch.nn.Parameter(torch.randn(4, 8))
+    with torch.no_grad():
+        theirs.copy_(ours.cpu())
+    opt, ref = AdamW([ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2, foreach=False)
+    buffer = torch.randn(32, device=DEVICE)
+    for layout in (lambda b: b.view(4, 8), lambda b: b.view(8, 4).t()):  # one address, two layouts
+        buffer.copy_(torch.randn(32))
+        ours.grad, theirs.grad = layout(buffer), layout(buffer).cpu()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_float64_params_take_torchs_arithmetic():
+    ours, theirs = _model_params(torch.float64), _model_params(torch.float64)
+    _train(AdamW, ours, 3, amsgrad=True)
+    _train(torch.optim.AdamW, theirs, 3, foreach=False, amsgrad=True)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_many_launches_a_step_keep_their_plans():
+    from tritonformer.ops import adamw as adamw_op
+
+    params = [torch.nn.Parameter(torch.randn(3 + i, device=DEVICE)) for i in range(12)]
+    opt = AdamW([{"params": [p]} for p in params], lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    plans = dict(adamw_op._PLANS)
+    opt.step()
+    assert all(adamw_op._PLANS.get(key) is plan for key, plan in plans.items())
+
+
+def test_a_warm_up_launches_nothing_and_keeps_no_plan():
+    from tritonformer.ops import adamw as adamw_op
+
+    params, grads = [torch.ones(5, device=DEVICE)], [torch.ones(5, device=DEVICE)]
+    states, steps = [[torch.zeros(5, device=DEVICE)] for _ in range(2)], [torch.zeros((), device=DEVICE)]
+    plans = dict(adamw_op._PLANS)
+    runtime.compile_only(adamw_step, params, grads, *states, steps, lr=1e-2)
+    assert dict(adamw_op._PLANS) == plans
+    assert float(steps[0]) == 0 and torch.equal(params[0], torch.ones(5, device=DEVICE))
+
+
+@gpu_only
+def test_two_launches_of_one_size_captured_train_as_eagerly():
+    """Two parameter groups whose tables have one size: each capture needs its own pinned buffer."""
+    def train(captured):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 64, device="cuda") for _ in range(2)]
+        opt = AdamW([{"params": layer.parameters()} for layer in layers], lr=1e-3)
+        x = torch.randn(8, 64, device="cuda")
+
+        def step(x):
+            loss = layers[1](layers[0](x)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        run = tritonformer.capture_step(step) if captured else step
+        losses = torch.stack([run(x).detach() for _ in range(6)])
+        return losses, [p.detach().clone() for layer in layers for p in layer.parameters()]
+
+    (losses, params), (ref_losses, ref_params) = train(True), train(False)
+    assert torch.equal(losses, ref_losses) and all(torch.equal(p, q) for p, q in zip(params, ref_params))

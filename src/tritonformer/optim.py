@@ -6,17 +6,19 @@ step one launch for each dtype and device of a parameter group (ops/adamw.py; do
 The step counts live on the parameters' device (as torch's capturable AdamW keeps them, whatever
 `capturable` says), so the step can be captured in a CUDA graph (`tritonformer.capture_step`), with
 the learning rate a float or a tensor (which schedulers update in place). `foreach` and `fused` are
-taken and ignored: there is one implementation. `differentiable=True` is refused.
+taken and ignored: there is one implementation. float64 params take torch's arithmetic, a tensor at
+a time. `differentiable=True` is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from . import runtime
-from .ops.adamw import adamw_step
+from .ops.adamw import adamw_step, adamw_step_reference
 
 __all__ = ["AdamW"]
 
@@ -35,11 +37,14 @@ class AdamW(torch.optim.AdamW):
         first step (about a second of a small model's warm-up)."""
         for group in self.param_groups:
             for dtype, device in {(p.dtype, p.device) for p in group["params"] if p.is_cuda}:
+                if dtype not in runtime.FLOAT_DTYPES:
+                    continue
                 example = [[torch.zeros(16, dtype=dtype, device=device)] for _ in range(5)]
                 step = functools.partial(adamw_step, *example[:4], [torch.zeros((), device=device)], lr=0.0,
                                          maximize=group["maximize"],
                                          max_exp_avg_sqs=example[4] if group["amsgrad"] else None)
-                runtime.compile_ahead(("adamw", device, dtype, group["amsgrad"], group["maximize"]), step)
+                with torch.cuda.device(device):
+                    runtime.compile_ahead(("adamw", device, dtype, group["amsgrad"], group["maximize"]), step)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -91,11 +96,16 @@ class AdamW(torch.optim.AdamW):
                 if amsgrad:
                     lists[5].append(state["max_exp_avg_sq"])
             beta1, beta2 = (float(b) for b in group["betas"])
-            for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs) in buckets.items():
+            for (device, dtype), (params, grads, exp_avgs, exp_avg_sqs, steps, max_sqs) in buckets.items():
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor) and lr.device != device:
                     lr = lr.item()  # a CPU tensor's value: no wait for a device
-                adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-                           eps=group["eps"], weight_decay=group["weight_decay"], maximize=group["maximize"],
-                           max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+                # float64 params take torch's arithmetic, a tensor at a time (the kernel computes in float32).
+                step = adamw_step_reference if dtype == torch.float64 else adamw_step
+                options = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                               maximize=group["maximize"], max_exp_avg_sqs=max_sqs if amsgrad else None)
+                # The launch goes to the current device: make it the params'.
+                on_device = device.type == "cuda" and device.index != torch.cuda.current_device()
+                with torch.cuda.device(device) if on_device else contextlib.nullcontext():
+                    step(params, grads, exp_avgs, exp_avg_sqs, steps, **options)
         return loss

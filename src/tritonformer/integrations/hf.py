@@ -928,8 +928,13 @@ def _quantize_projections(base: torch.nn.Module, fmt: str, lm_head: bool) -> Non
                 linear = getattr(owner, name, None)
                 if type(linear) is torch.nn.Linear:
                     setattr(owner, name, QuantizedLinear.from_linear(linear, fmt))
-    if lm_head and type(base.lm_head) is torch.nn.Linear:
+    if lm_head and type(base.lm_head) is not QuantizedLinear:
+        if type(base.lm_head) is not torch.nn.Linear:
+            raise ValueError(f"tritonformer.integrations.hf.patch: quantize_lm_head=True takes a plain nn.Linear "
+                             f"lm_head, got a {type(base.lm_head).__name__}")
         base.lm_head = QuantizedLinear.from_linear(base.lm_head, fmt)
+        # Untied from the embedding for good: HF's tie_weights would set a bf16 weight on it.
+        base.config.tie_word_embeddings = False
 
 
 def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = None,

@@ -125,10 +125,10 @@ _launch = runtime.FastLaunch(_adamw_kernel)
 
 
 class _Plan:
-    """One launch's address and work tables on the device (`table`, `work`) and the host buffer
-    they were copied from (a CUDA graph that copied them replays that copy: a plan used while
-    capturing is `kept` for good); `first`, the index of the first tensor that has elements (the
-    tables' bases); `vec`, the elements an offset counts (16 bytes' worth, or 1)."""
+    """One launch's address and work tables on the device (`table`, `work`), the host buffer they
+    were copied from (`host`: a CUDA graph that copied them replays that copy), whether a capture
+    used it (`kept`: then it is never dropped), `first`, the index of the first tensor that has
+    elements (the tables' bases), and `vec`, the elements an offset counts (16 bytes' worth, or 1)."""
 
     __slots__ = ("table", "work", "host", "kept", "first", "vec")
 
@@ -136,27 +136,37 @@ class _Plan:
         self.table, self.work, self.host, self.kept, self.first, self.vec = table, work, host, kept, first, vec
 
 
+# Plans built outside a capture, by key, oldest first; at most _MAX_UNKEPT not used by a capture.
 _PLANS: dict[tuple, _Plan] = {}
-_MAX_UNKEPT = 8
-# A pinned buffer per device and size, allocated outside any capture: a stream that captures
-# allows no pinned allocation, and a captured step's gradients sit at new addresses.
+_MAX_UNKEPT = 64
+# Plans built inside a capture: their tables are written when the graph replays, so they are kept
+# alive for it but never looked up (a failed capture's would hold unwritten tables).
+_CAPTURED: list[_Plan] = []
+# A pinned buffer for each launch (device, size, first param's and step's addresses, which a
+# capture keeps), allocated outside any capture: a capturing stream allows no pinned allocation,
+# and a captured step's gradients sit at new addresses, so its plan is built inside the capture.
 _SPARE_HOST: dict[tuple, torch.Tensor] = {}
 
 
-def _host_buffer(size: int, device: torch.device, capturing: bool) -> torch.Tensor:
+def _host_buffer(spare_key: tuple, size: int, device: torch.device, capturing: bool) -> torch.Tensor:
     if device.type != "cuda":
         return torch.empty(size, dtype=torch.int64)
-    spare = _SPARE_HOST.pop((device, size), None)
     if capturing:
+        spare = _SPARE_HOST.pop(spare_key, None)
         if spare is None:
             raise RuntimeError("adamw_step: no step of these tensors ran before the CUDA graph capture began; "
                                "run one outside the capture first (tritonformer.capture_step does)")
         return spare
-    _SPARE_HOST[(device, size)] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-    return spare if spare is not None else torch.empty(size, dtype=torch.int64, pin_memory=True)
+    return torch.empty(size, dtype=torch.int64, pin_memory=True)
 
 
-def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], capturing: bool) -> _Plan:
+def _table_size(numels: list[int]) -> int:
+    """int64 words of a launch's tables: _COLUMNS a tensor with elements, one a block (two int32)."""
+    return sum(_COLUMNS + runtime.cdiv(n, BLOCK) for n in numels if n)
+
+
+def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], spare_key: tuple,
+          capturing: bool) -> _Plan:
     """Row j of the address table: tensor j's element count, then the offsets of its param, grad,
     exp_avg, exp_avg_sq, max_exp_avg_sq and step from those of the first tensor with elements (two
     tensors of one dtype lie whole elements apart), the first five in units of 16 bytes where
@@ -177,7 +187,7 @@ def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], ca
     counts = torch.tensor([runtime.cdiv(row[0], BLOCK) for row in rows])
     total = int(counts.sum())
     device = steps[0].device
-    host = _host_buffer(len(rows) * _COLUMNS + total, device, capturing)
+    host = _host_buffer(spare_key, len(rows) * _COLUMNS + total, device, capturing)
     table, work = host[:len(rows) * _COLUMNS], host[len(rows) * _COLUMNS:].view(torch.int32)
     table.copy_(torch.tensor(rows).flatten())
     first_blocks = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
@@ -189,9 +199,9 @@ def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], ca
 
 
 def _remember(key: tuple, plan: _Plan) -> None:
-    if not plan.kept and sum(not p.kept for p in _PLANS.values()) >= _MAX_UNKEPT:
-        for old in [k for k, p in _PLANS.items() if not p.kept]:
-            del _PLANS[old]
+    if sum(not p.kept for p in _PLANS.values()) >= _MAX_UNKEPT:
+        oldest = next(k for k, p in _PLANS.items() if not p.kept)
+        del _PLANS[oldest]
     _PLANS[key] = plan
 
 
@@ -261,14 +271,22 @@ def adamw_launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         return
     amsgrad = bool(max_exp_avg_sqs)
     columns = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs)
-    address, numel = torch.Tensor.data_ptr, torch.Tensor.numel
-    # The plan of these tensors (their addresses and sizes): checks, copies and tables on a new key only.
+    address, numel, contiguous = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
+    if runtime.compiling_ahead():  # a warm-up (in a background thread): compile, and no CUDA work
+        _launch_plan(_placeholder_plan(params), columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                     maximize, amsgrad)
+        return
+    # The plan of these tensors (their addresses, sizes and whether they are contiguous): checks,
+    # copies and tables on a new key only.
     try:
         key = (params[0].dtype, amsgrad, None if lr_tensor is None else address(lr_tensor),
+               all(all(map(contiguous, column)) for column in columns[:4 + amsgrad]),
                *(a for column in columns[:4 + amsgrad] for a in map(address, column)), *map(address, steps),
                *map(numel, params))
     except (TypeError, AttributeError):
         key = None
+    device = params[0].device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     plan = _PLANS.get(key)
     if plan is None:
         _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tensor)
@@ -278,24 +296,41 @@ def adamw_launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         if not any(map(numel, params)):
             torch._foreach_add_(steps, 1.0)
             return
-        device = params[0].device
-        plan = _plan(columns, steps, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        if not runtime.compiling_ahead():  # a warm-up's example tensors (in a background thread) keep no plan
+    size = _table_size(list(map(numel, params))) if plan is None else plan.host.numel()
+    spare_key = (device, size, params[0].data_ptr(), steps[0].data_ptr())
+    if device.type == "cuda" and not capturing and spare_key not in _SPARE_HOST:
+        _SPARE_HOST[spare_key] = torch.empty(size, dtype=torch.int64, pin_memory=True)  # for a later capture
+    if plan is None:
+        plan = _plan(columns, steps, spare_key, capturing)
+        if capturing:
+            _CAPTURED.append(plan)
+        else:
             _remember(key, plan)
-    elif not plan.kept and params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    elif capturing:
         plan.kept = True
     torch._foreach_add_(steps, 1.0)
+    _launch_plan(plan, columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, amsgrad)
+
+
+def _placeholder_plan(params: list[torch.Tensor]) -> _Plan:
+    """Empty tables laid out as a plan's (a warm-up's launch only compiles: it reads nothing)."""
+    device = params[0].device
+    return _Plan(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int32, device=device),
+                 None, False, 0, 16 // params[0].element_size())
+
+
+def _launch_plan(plan, columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, amsgrad) -> None:
     first = plan.first
-    _launch((plan.work.numel() // 2,), plan.table, plan.work, *(column[first] for column in columns), steps[first],
-            steps[first] if lr_tensor is None else lr_tensor, lr, int(lr_tensor is not None),
+    _launch((max(1, plan.work.numel() // 2),), plan.table, plan.work, *(column[first] for column in columns),
+            steps[first], steps[first] if lr_tensor is None else lr_tensor, lr, int(lr_tensor is not None),
             *_kernel_betas(beta1, beta2), eps, weight_decay, MAXIMIZE=maximize, AMSGRAD=amsgrad, VEC=plan.vec,
             BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def _step_on_contiguous_copies(columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize) -> None:
     """The step of tensors some of which are strided: on contiguous copies, then copied back (the
-    kernel walks each tensor's memory in order). The copies' plan is not kept: their addresses
-    change every call."""
+    kernel walks each tensor's memory in order; the copies' plans, new each call, are the oldest
+    dropped)."""
     amsgrad = columns[4] is not columns[3]
     copies = [[t.contiguous() for t in column] for column in columns[:4 + amsgrad]]
     adamw_launch(*copies[:4], steps, copies[4] if amsgrad else [], lr, lr_tensor, beta1, beta2, eps, weight_decay,
