@@ -143,8 +143,9 @@ _MAX_UNKEPT = 64
 # alive for it but never looked up (a failed capture's would hold unwritten tables).
 _CAPTURED: list[_Plan] = []
 # A pinned buffer for each launch (device, size, first param's and step's addresses, which a
-# capture keeps), allocated outside any capture: a capturing stream allows no pinned allocation,
-# and a captured step's gradients sit at new addresses, so its plan is built inside the capture.
+# capture keeps; at most _MAX_UNKEPT, the oldest dropped first), allocated outside any capture: a
+# capturing stream allows no pinned allocation, and a captured step's gradients sit at new
+# addresses, so its plan is built inside the capture.
 _SPARE_HOST: dict[tuple, torch.Tensor] = {}
 
 
@@ -299,6 +300,8 @@ def adamw_launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     size = _table_size(list(map(numel, params))) if plan is None else plan.host.numel()
     spare_key = (device, size, params[0].data_ptr(), steps[0].data_ptr())
     if device.type == "cuda" and not capturing and spare_key not in _SPARE_HOST:
+        if len(_SPARE_HOST) >= _MAX_UNKEPT:  # strided tensors' copies are new launches each call: the oldest goes
+            del _SPARE_HOST[next(iter(_SPARE_HOST))]
         _SPARE_HOST[spare_key] = torch.empty(size, dtype=torch.int64, pin_memory=True)  # for a later capture
     if plan is None:
         plan = _plan(columns, steps, spare_key, capturing)
