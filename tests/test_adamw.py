@@ -140,6 +140,8 @@ def test_bad_input_is_named():
         adamw_step(*[[t.double() for t in column] for column in lists()], steps, **ok)
     with pytest.raises(ValueError, match="lr must be finite"):
         adamw_step(*lists(), steps, lr=float("nan"))
+    with pytest.raises(ValueError, match="steps holds one tensor twice"):
+        adamw_step(*lists(2), steps * 2, **ok)
     p.grad = torch.zeros(4, device=DEVICE).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         AdamW([p]).step()

@@ -5,16 +5,17 @@ time and the loss, plus a prefill and a greedy generation measure.
 Models (MODELS): "e2e", the Llama-style model of ../shared/ANCHORS.md; "smollm2-135m" and
 "qwen2.5-0.5b", the shapes of the small models most fine-tuned (issue 44; Qwen2 with its q/k/v
 biases; both with tied embeddings); "qwen3-moe", a 4-layer Qwen3-MoE with Qwen3-30B-A3B's experts
-(issue 46; HF's default experts, torch._grouped_mm, in the HF stacks). Stacks: HF eager (SDPA attention), HF + Liger-Kernel (when
-importable), HF + torch.compile, HF + tritonformer (integrations.hf.patch), the same with the
-whole step as a CUDA graph (tritonformer.capture_step), and HF + tritonformer + torch.compile.
-Each runs in a child process of its own (Liger and our patch both replace module-level functions
-of transformers, and peak memory is per process), on the same seeded weights and data, with fused
-AdamW on a GPU. Warm-up is the wall time of the first WARMUP_STEPS steps (compilation and graph
-capture included, each stack starting from empty Triton and Inductor caches); the step time is
-the median of the later steps; tokens/s is batch x seq over it. Prefill (the median of
-PREFILL_REPEATS) and generation run the model itself (patched or not), without torch.compile or
-graphs, in every stack.
+(issue 46; HF's default experts, torch._grouped_mm, in the HF stacks). Stacks: HF eager (SDPA
+attention), HF + Liger-Kernel (when importable), HF + torch.compile, HF + tritonformer
+(integrations.hf.patch), the same with the whole step as a CUDA graph (tritonformer.capture_step),
+and HF + tritonformer + torch.compile. Each runs in a child process of its own (Liger and our patch
+both replace module-level functions of transformers, and peak memory is per process), on the same
+seeded weights and data, with AdamW: torch's fused one (on a GPU) in the HF stacks,
+tritonformer.optim.AdamW in ours. Warm-up is the wall time of the first WARMUP_STEPS steps
+(compilation and graph capture included, each stack starting from empty Triton and Inductor
+caches); the step time is the median of the later steps; tokens/s is batch x seq over it. Prefill
+(the median of PREFILL_REPEATS) and generation run the model itself (patched or not), without
+torch.compile or graphs, in every stack.
 """
 
 from __future__ import annotations
@@ -102,7 +103,11 @@ def run_stack(stack: str, sizes: dict) -> dict:
         from tritonformer.integrations import hf
         hf.patch(model)
     step_model = torch.compile(model) if stack.endswith("torch.compile") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    # Our stacks step with our AdamW, the others with torch's fused one (docs/optim.md).
+    if stack.startswith("tritonformer"):
+        opt = tritonformer.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def train_step(ids):
         loss = step_model(input_ids=ids, labels=ids).loss

@@ -19,14 +19,17 @@ def _split(flat: tuple, count: int) -> list[list[torch.Tensor]]:
 
 
 def _stepped(step, *flat, count, lr, amsgrad=False, **options):
-    """The params, exp_avgs and exp_avg_sqs (and max_exp_avg_sqs) after `step` ran on copies of them."""
+    """The params, exp_avgs, exp_avg_sqs and steps (and max_exp_avg_sqs) after `step` ran on copies
+    of them (steps: an empty tensor's counts too)."""
     lists = _split(tuple(t.detach().clone() for t in flat), count)
     params, grads, exp_avgs, exp_avg_sqs, steps = lists[:5]
     if isinstance(lr, torch.Tensor):
         lr = lr.to(steps[0].device) if step is adamw_step else float(lr)
     step(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, max_exp_avg_sqs=lists[5] if amsgrad else None,
          **options)
-    return (*params, *exp_avgs, *exp_avg_sqs, *(lists[5] if amsgrad else ()))
+    # Steps in the params' dtype, as the harness compares outputs (the cases' counts are exact in it).
+    counts = [s.to(params[0].dtype) for s in steps]
+    return (*params, *exp_avgs, *exp_avg_sqs, *counts, *(lists[5] if amsgrad else ()))
 
 
 def adamw_outputs(*flat, **options):

@@ -28,13 +28,19 @@ import triton.language as tl
 
 from .. import runtime
 
-# A program updates 4096 elements of one tensor on 8 warps: 16 a thread and stream (two 16-byte
-# loads in 16-bit). H200: 156 registers, one program an SM, 2.0 TB/s (docs/optim.md).
+# A work row is BLOCK elements of one tensor, which its program updates SUB_BLOCK at a time on
+# NUM_WARPS warps (8 elements a thread and stream in 16-bit: one 16-byte load). Tuned on the H200
+# (docs/optim.md).
 BLOCK = 4096
-NUM_WARPS = 8
+SUB_BLOCK = 1024
+NUM_WARPS = 4
 # Columns of a tensor's row in the address table: its element count, then the offsets of its param,
 # grad, exp_avg, exp_avg_sq, max_exp_avg_sq and step from the first tensor of each list (_plan).
 _COLUMNS = 7
+# Rows of the coefficient table: step size, sqrt of the second bias correction, weight decay factor.
+_COEFFICIENTS = 3
+# Tensors whose step a program of the coefficient kernel counts.
+_ROWS = 128
 
 
 @triton.jit
@@ -43,6 +49,29 @@ def _inverse_bias_correction(step, log_beta_hi, log_beta_lo):
     comes as a float32 pair whose sum is its float64 value."""
     log_beta = tl.cast(log_beta_hi, tl.float64) + tl.cast(log_beta_lo, tl.float64)
     return 1.0 / (1.0 - tl.exp(step.to(tl.float64) * log_beta))
+
+
+# lr_in_tensor is a runtime flag, not a constexpr: capture_step moves a float lr into a tensor
+# between a step's first call and its capture, and a compile must not fall inside a capture.
+@triton.jit(do_not_specialize=["lr_in_tensor"])
+def _coefficients_kernel(table_ptr, coefficients_ptr, step_ptr, lr_ptr, lr, lr_in_tensor, rows, log_beta1_hi,
+                         log_beta1_lo, log_beta2_hi, log_beta2_lo, weight_decay, ROWS: tl.constexpr):
+    """Counts each tensor's step and writes its coefficients, once a step: the update's programs
+    then read three floats instead of each working out float64 powers (docs/optim.md)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = row < rows
+    step_at = step_ptr + tl.load(table_ptr + row * 7 + 6, mask=ok, other=0)  # _COLUMNS
+    step = tl.load(step_at, mask=ok, other=0.0) + 1.0
+    tl.store(step_at, step, mask=ok)
+    if lr_in_tensor != 0:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    step_size = (lr * _inverse_bias_correction(step, log_beta1_hi, log_beta1_lo)).to(tl.float32)
+    sqrt_bias_correction2 = tl.sqrt(1.0 / _inverse_bias_correction(step, log_beta2_hi, log_beta2_lo)).to(tl.float32)
+    decay = 1.0 - lr * weight_decay
+    out = coefficients_ptr + row * 3  # _COEFFICIENTS
+    tl.store(out, step_size, mask=ok)
+    tl.store(out + 1, sqrt_bias_correction2, mask=ok)
+    tl.store(out + 2, tl.full([ROWS], 0, tl.float32) + decay, mask=ok)
 
 
 @triton.jit
@@ -61,17 +90,16 @@ def _store(ptr, value, ok, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, ok, lr, step_size, sqrt_bias_correction2, beta1_complement,
-            beta2, beta2_complement, eps, weight_decay, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr,
-            MASKED: tl.constexpr):
-    """One block's update (the pointers at its tensor's start, idx its elements)."""
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, ok, step_size, sqrt_bias_correction2, decay, beta1_complement,
+            beta2, beta2_complement, eps, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr, MASKED: tl.constexpr):
+    """One sub-block's update (the pointers at its tensor's start, idx its elements)."""
     g = _load(g_ptr + idx, ok, MASKED)
     p = _load(p_ptr + idx, ok, MASKED)
     m = _load(m_ptr + idx, ok, MASKED)
     v = _load(v_ptr + idx, ok, MASKED)
     if MAXIMIZE:
         g = -g
-    p = p * (1.0 - lr * weight_decay)
+    p = p * decay
     m = m + beta1_complement * (g - m)
     v = v * beta2 + beta2_complement * g * g
     _store(m_ptr + idx, m, ok, MASKED)
@@ -84,13 +112,11 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, ok, lr, step_size, sqrt_b
     _store(p_ptr + idx, p - step_size * tl.div_rn(m, denom), ok, MASKED)
 
 
-# lr_in_tensor is a runtime flag, not a constexpr: capture_step moves a float lr into a tensor
-# between a step's first call and its capture, and a compile must not fall inside a capture.
-@triton.jit(do_not_specialize=["lr_in_tensor"])
+@triton.jit
 def _adamw_kernel(
-    table_ptr, work_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, step_ptr, lr_ptr, lr, lr_in_tensor, beta1_complement,
-    beta2, beta2_complement, log_beta1_hi, log_beta1_lo, log_beta2_hi, log_beta2_lo, eps, weight_decay,
-    MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
+    table_ptr, work_ptr, coefficients_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, beta1_complement, beta2,
+    beta2_complement, eps, MAXIMIZE: tl.constexpr, AMSGRAD: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
+    SUB_BLOCK: tl.constexpr,
 ):
     work = tl.program_id(0).to(tl.int64)
     tensor = tl.load(work_ptr + 2 * work).to(tl.int64)
@@ -105,35 +131,42 @@ def _adamw_kernel(
     v_ptr += tl.load(row + 4) * VEC
     if AMSGRAD:
         vmax_ptr += tl.load(row + 5) * VEC
-    step = tl.load(step_ptr + tl.load(row + 6))
-    if lr_in_tensor != 0:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    step_size = (lr * _inverse_bias_correction(step, log_beta1_hi, log_beta1_lo)).to(tl.float32)
-    sqrt_bias_correction2 = tl.sqrt(1.0 / _inverse_bias_correction(step, log_beta2_hi, log_beta2_lo)).to(tl.float32)
-    idx = block * BLOCK + tl.arange(0, BLOCK)
-    # Whole blocks load without a mask: a mask against an element count of unknown divisibility
-    # would split the 16-byte loads into single elements.
-    if block * BLOCK + BLOCK <= n:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, None, lr, step_size, sqrt_bias_correction2,
-                beta1_complement, beta2, beta2_complement, eps, weight_decay, MAXIMIZE, AMSGRAD, False)
-    else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, idx < n, lr, step_size, sqrt_bias_correction2,
-                beta1_complement, beta2, beta2_complement, eps, weight_decay, MAXIMIZE, AMSGRAD, True)
+    coefficients = coefficients_ptr + tensor * 3  # _COEFFICIENTS
+    step_size = tl.load(coefficients)
+    sqrt_bias_correction2 = tl.load(coefficients + 1)
+    decay = tl.load(coefficients + 2)
+    for start in tl.range(block * BLOCK, block * BLOCK + BLOCK, SUB_BLOCK):
+        idx = start + tl.arange(0, SUB_BLOCK)
+        # Whole sub-blocks load without a mask: a mask against an element count of unknown
+        # divisibility would split the 16-byte loads into single elements.
+        if start + SUB_BLOCK <= n:
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, None, step_size, sqrt_bias_correction2, decay,
+                    beta1_complement, beta2, beta2_complement, eps, MAXIMIZE, AMSGRAD, False)
+        elif start < n:
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, idx, idx < n, step_size, sqrt_bias_correction2, decay,
+                    beta1_complement, beta2, beta2_complement, eps, MAXIMIZE, AMSGRAD, True)
 
 
 _launch = runtime.FastLaunch(_adamw_kernel)
+_launch_coefficients = runtime.FastLaunch(_coefficients_kernel)
 
 
 class _Plan:
-    """One launch's address and work tables on the device (`table`, `work`), the host buffer they
-    were copied from (`host`: a CUDA graph that copied them replays that copy), whether a capture
-    used it (`kept`: then it is never dropped), `first`, the index of the first tensor that has
-    elements (the tables' bases), and `vec`, the elements an offset counts (16 bytes' worth, or 1)."""
+    """One launch's address and work tables on the device (`table`, `work`), the coefficient table
+    its step writes (`coefficients`), the host buffer the tables were copied from (`host`: a CUDA
+    graph that copied them replays that copy), whether a capture used it (`kept`: then it is never
+    dropped), `first`, the index of the first tensor that has elements (the tables' bases), and
+    `vec`, the elements an offset counts (16 bytes' worth, or 1)."""
 
-    __slots__ = ("table", "work", "host", "kept", "first", "vec")
+    __slots__ = ("table", "work", "coefficients", "host", "kept", "first", "vec")
 
-    def __init__(self, table, work, host, kept, first, vec):
-        self.table, self.work, self.host, self.kept, self.first, self.vec = table, work, host, kept, first, vec
+    def __init__(self, table, work, coefficients, host, kept, first, vec):
+        self.table, self.work, self.coefficients, self.host = table, work, coefficients, host
+        self.kept, self.first, self.vec = kept, first, vec
+
+    @property
+    def rows(self) -> int:
+        return self.table.numel() // _COLUMNS
 
 
 # Plans built outside a capture, by key, oldest first; at most _MAX_UNKEPT not used by a capture.
@@ -162,8 +195,8 @@ def _host_buffer(spare_key: tuple, size: int, device: torch.device, capturing: b
 
 
 def _table_size(numels: list[int]) -> int:
-    """int64 words of a launch's tables: _COLUMNS a tensor with elements, one a block (two int32)."""
-    return sum(_COLUMNS + runtime.cdiv(n, BLOCK) for n in numels if n)
+    """int64 words of a launch's tables: _COLUMNS a tensor, one a block (two int32)."""
+    return sum(_COLUMNS + runtime.cdiv(n, BLOCK) for n in numels)
 
 
 def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], spare_key: tuple,
@@ -171,15 +204,15 @@ def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], sp
     """Row j of the address table: tensor j's element count, then the offsets of its param, grad,
     exp_avg, exp_avg_sq, max_exp_avg_sq and step from those of the first tensor with elements (two
     tensors of one dtype lie whole elements apart), the first five in units of 16 bytes where
-    every tensor starts on 16 bytes; empty tensors have no row. Row w of the work table: (tensor,
-    block)."""
-    chosen = [j for j, p in enumerate(columns[0]) if p.numel()]
-    first = chosen[0]
+    every tensor starts on 16 bytes (an empty tensor's are 0: only its step counts). Row w of the
+    work table: (tensor, block)."""
+    first = next(j for j, p in enumerate(columns[0]) if p.numel())
     lists = [*columns, steps]
     bases = [column[first].data_ptr() for column in lists]
     sizes = [column[first].element_size() for column in lists]
-    rows = [(columns[0][j].numel(), *((column[j].data_ptr() - base) // size
-                                      for column, base, size in zip(lists, bases, sizes))) for j in chosen]
+    rows = [(n, *((column[j].data_ptr() - base) // size if n else 0
+                  for column, base, size in zip(columns, bases, sizes)), (steps[j].data_ptr() - bases[5]) // sizes[5])
+            for j, n in enumerate(map(torch.Tensor.numel, columns[0]))]
     vec = 16 // sizes[0]
     if all(base % 16 == 0 for base in bases[:5]) and all(off % vec == 0 for row in rows for off in row[1:6]):
         rows = [(row[0], *(off // vec for off in row[1:6]), row[6]) for row in rows]
@@ -196,7 +229,8 @@ def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], sp
                                            torch.arange(total) - first_blocks], 1))
     if device.type == "cuda":
         table, work = table.to(device, non_blocking=True), work.to(device, non_blocking=True)
-    return _Plan(table, work, host, capturing, first, vec)
+    coefficients = torch.empty(len(rows) * _COEFFICIENTS, dtype=torch.float32, device=device)
+    return _Plan(table, work, coefficients, host, capturing, first, vec)
 
 
 def _remember(key: tuple, plan: _Plan) -> None:
@@ -232,6 +266,8 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tens
             raise ValueError(f"lr must hold one value, got shape {tuple(lr_tensor.shape)}")
     if not params:
         return
+    if len({t.data_ptr() for t in steps if isinstance(t, torch.Tensor)}) < len(steps):
+        raise ValueError("steps holds one tensor twice: each param counts its own step")
     dtype, device = params[0].dtype, params[0].device
     for i, p in enumerate(params):
         runtime.check_tensor(f"params[{i}]", p, runtime.FLOAT_DTYPES)
@@ -311,7 +347,6 @@ def adamw_launch(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             _remember(key, plan)
     elif capturing:
         plan.kept = True
-    torch._foreach_add_(steps, 1.0)
     _launch_plan(plan, columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, amsgrad)
 
 
@@ -319,15 +354,18 @@ def _placeholder_plan(params: list[torch.Tensor]) -> _Plan:
     """Empty tables laid out as a plan's (a warm-up's launch only compiles: it reads nothing)."""
     device = params[0].device
     return _Plan(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int32, device=device),
-                 None, False, 0, 16 // params[0].element_size())
+                 torch.empty(0, dtype=torch.float32, device=device), None, False, 0, 16 // params[0].element_size())
 
 
 def _launch_plan(plan, columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, amsgrad) -> None:
     first = plan.first
-    _launch((max(1, plan.work.numel() // 2),), plan.table, plan.work, *(column[first] for column in columns),
-            steps[first], steps[first] if lr_tensor is None else lr_tensor, lr, int(lr_tensor is not None),
-            *_kernel_betas(beta1, beta2), eps, weight_decay, MAXIMIZE=maximize, AMSGRAD=amsgrad, VEC=plan.vec,
-            BLOCK=BLOCK, num_warps=NUM_WARPS)
+    beta1_complement, beta2, beta2_complement, *log_betas = _kernel_betas(beta1, beta2)
+    _launch_coefficients((max(1, runtime.cdiv(plan.rows, _ROWS)),), plan.table, plan.coefficients, steps[first],
+                         steps[first] if lr_tensor is None else lr_tensor, lr, int(lr_tensor is not None), plan.rows,
+                         *log_betas, weight_decay, ROWS=_ROWS, num_warps=4)
+    _launch((max(1, plan.work.numel() // 2),), plan.table, plan.work, plan.coefficients,
+            *(column[first] for column in columns), beta1_complement, beta2, beta2_complement, eps,
+            MAXIMIZE=maximize, AMSGRAD=amsgrad, VEC=plan.vec, BLOCK=BLOCK, SUB_BLOCK=SUB_BLOCK, num_warps=NUM_WARPS)
 
 
 def _step_on_contiguous_copies(columns, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize) -> None:
