@@ -292,9 +292,11 @@ def test_generate_bench_decodes_with_each_stack(tmp_path):
             for r in generate.run_stack(stack, generate.QUICK["model"], [(1, 6), (3, 6)], 3, 1)]
     assert [(r["stack"], r["batch"]) for r in rows] == [("hf-eager", 1), ("hf-eager", 3), ("tritonformer", 1),
                                                         ("tritonformer", 3)]
-    # HF's tiny eager steps can sit under the timer's noise on a busy CPU (then NaN); the interpreter's kernels never do.
+    # Steps of this tiny model can sit under the timer's noise (then NaN): HF's on a busy CPU, ours on a GPU; the
+    # interpreter's kernels never do.
     assert all(r["ms_per_token"] > 0 or math.isnan(r["ms_per_token"]) for r in rows)
-    assert all(r["ms_per_token"] > 0 for r in rows if r["stack"] == "tritonformer")
+    if runtime.INTERPRET:
+        assert all(r["ms_per_token"] > 0 for r in rows if r["stack"] == "tritonformer")
     sizes = dict(generate.QUICK["model"], model="e2e", new_tokens=3)
     report = generate.write_report(rows, sizes, {"device": "CPU", "copy_gbps": None}, tmp_path)
     assert "| tritonformer | 3 | 6 |" in report.read_text() and (tmp_path / "generate-e2e.png").exists()

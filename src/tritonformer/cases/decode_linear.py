@@ -92,10 +92,14 @@ def decode_fp4_chain_test_cases() -> list[TestCase]:
 
 
 def decode_fp4_chain_bench_cases() -> list[BenchCase]:
-    """Llama-3-8B's layer with nvfp4 weights: the chain against the same products unchained (the
-    norms and the residual adds inside each product's own pass over x)."""
-    K, intermediate, Ns = (128, 256, (128, 64, 64)) if runtime.INTERPRET else (4096, 14336, (4096, 1024, 1024))
+    """Llama-3-8B's layer with nvfp4 weights (on a GPU) and a small one (the quick grid's): the chain
+    against the same products unchained (the norms and the residual adds inside each product's own
+    pass over x)."""
+    sizes = [(128, 256, (128, 64, 64))] + ([] if runtime.INTERPRET else [(4096, 14336, (4096, 1024, 1024))])
+    return [_fp4_chain_bench_case(*size, quick=size[0] == 128) for size in sizes]
 
+
+def _fp4_chain_bench_case(K: int, intermediate: int, Ns: tuple[int, ...], quick: bool) -> BenchCase:
     def setup():
         args = _chain_inputs(K, intermediate, Ns, "nvfp4", runtime.DEVICE)
         x, residual, post, pre, w_o, w_gate, w_up, w_down, *w_qkv = args
@@ -110,8 +114,8 @@ def decode_fp4_chain_bench_cases() -> list[BenchCase]:
                      reference=lambda: decode_fp4_chain_flat_reference(*args))
 
     codes = K * (K + 2 * intermediate + sum(Ns)) + intermediate * K
-    return [BenchCase("decode_fp4_chain", "fwd", torch.bfloat16, f"1x{K} layer nvfp4", codes, setup,
-                      bytes=codes // 2 + codes // 16, plot="1 row nvfp4", quick=runtime.INTERPRET)]
+    return BenchCase("decode_fp4_chain", "fwd", torch.bfloat16, f"1x{K} layer nvfp4", codes, setup,
+                     bytes=codes // 2 + codes // 16, plot="1 row nvfp4", quick=quick)
 
 
 def _norm_inputs(M, K, dtype, device, norm):
