@@ -386,8 +386,8 @@ def test_unsupported_family_is_named():
                                               ("gemma2", dict(sliding_window=4))])
 def test_patched_training_step_compiles_without_graph_breaks(family, overrides, device):
     """Llama, and windows shorter than the sequence (Mistral's on every layer, Gemma 2's on every
-    other one, with its softcaps): no graph break, our attention kernel in the graph, HF's loss
-    and gradients; packed rows keep HF's mask."""
+    other one, with its softcaps): no graph break, our attention kernel and qkv_rope in the graph,
+    HF's loss and gradients; packed rows keep HF's mask."""
     model, reference = _models(family, **overrides)
     model.to(device).train(), reference.to(device).train()
     ids = _ids(device)
@@ -403,6 +403,8 @@ def test_patched_training_step_compiles_without_graph_breaks(family, overrides, 
              if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes if node.op == "call_function"]
     assert not [c for c in calls if "scaled_dot_product" in c], calls
     assert [c for c in calls if "tritonformer.attention" in c], calls
+    # q, k and v as one product with the rotation in place (qkv_rope), as the eager step has them.
+    assert [c for c in calls if "tritonformer.rope_fwd_inplace" in c], calls
     torch._dynamo.reset()
     loss = torch.compile(step, fullgraph=True, backend="aot_eager")(ids)
     loss.backward()

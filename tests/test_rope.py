@@ -471,8 +471,8 @@ def test_qkv_rope_bad_input(device):
 
 
 def test_qkv_rope_is_one_node_and_compiles(device):
-    """Eager training: one autograd node; under torch.compile (the projections apart), no graph
-    break and the same gradients."""
+    """Eager training: one autograd node; under torch.compile, no graph break, the fused path's
+    in-place rotation and its backward into the one gradient buffer, and the same gradients."""
     x = torch.randn(2, 5, 16, device=device, requires_grad=True)
     ws = [torch.randn(n, 16, device=device, requires_grad=True) for n in (16, 8, 8)]
     cos, sin = torch.randn(5, 8, device=device), torch.randn(5, 8, device=device)
@@ -485,6 +485,10 @@ def test_qkv_rope_is_one_node_and_compiles(device):
     assert graph_nodes(eager).count("QKVRopeFunctionBackward") == 1
     expected = torch.autograd.grad(eager, (x, *ws))
     got = torch.autograd.grad(compile_fullgraph(loss)(x, *ws), (x, *ws))
+    explain = torch._dynamo.explain(loss)(x, *ws)
+    calls = {str(node.target) for graph in explain.graphs for module in graph.modules()
+             if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes}
+    assert {"tritonformer.rope_fwd_inplace.default", "tritonformer.rope_bwd_into.default"} <= calls, calls
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "norm")
 

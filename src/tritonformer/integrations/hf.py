@@ -285,8 +285,8 @@ def _router_forward(hf_forward, family: Family):
 
 def _attention_forward(hf_forward, family: Family):
     """The attention module's forward with q, k and v from qkv_rope when training with plain
-    nn.Linear projections (HF's forward otherwise: LoRA-wrapped projections, autocast, inference,
-    torch.compile, which traces HF's code with our ops inside). The rest is HF's code as it is."""
+    nn.Linear projections, under torch.compile too (HF's forward otherwise: LoRA-wrapped
+    projections, autocast, inference). The rest is HF's code as it is."""
 
     names, cache = _parameters(hf_forward)
 
@@ -298,7 +298,7 @@ def _attention_forward(hf_forward, family: Family):
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if not (torch.is_grad_enabled() and position_embeddings is not None
                 and all(_is_plain_linear(p) for p in projections)
-                and not torch.is_autocast_enabled(hidden_states.device.type) and not torch.compiler.is_compiling()):
+                and not torch.is_autocast_enabled(hidden_states.device.type)):
             return hf_forward(self, hidden_states, **kwargs)
         kwargs.pop("position_embeddings")
         attention_mask = kwargs.pop("attention_mask", None)

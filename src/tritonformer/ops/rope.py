@@ -357,6 +357,17 @@ def rope_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: 
     return [dq_in] if dk is None else [dq_in, dk_in]
 
 
+def _fake_rope_bwd_into(dq, dk, dq_in, dk_in, cos, sin, bshd):
+    return None
+
+
+@runtime.custom_op("rope_bwd_into", fake=_fake_rope_bwd_into, mutates_args=("dq_in", "dk_in"))
+def rope_bwd_into(dq: torch.Tensor, dk: torch.Tensor | None, dq_in: torch.Tensor, dk_in: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, bshd: bool) -> None:
+    """rope_bwd into given tensors (qkv_rope's backward: views of one gradient buffer)."""
+    _launch(dq, dk, dq_in, dk_in, cos, sin, bshd, True)
+
+
 class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, bshd):
@@ -486,7 +497,7 @@ def qkv_rope_fwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cos: 
     else:
         y = torch.nn.functional.linear(x, w, b)
     q, k, v = _heads_of(y, heads, D)
-    _launch(q, k, q, k, cos, sin, True, False)
+    rope_fwd_inplace(q, k, cos, sin, True)
     return [t.transpose(1, 2) for t in (q, k, v)]
 
 
@@ -501,7 +512,7 @@ def qkv_rope_bwd(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Ten
     rotated = [(g.transpose(1, 2), out) for g, out in ((dq, dy_q), (dk, dy_k)) if g is not None]
     if rotated:
         (g0, out0), (g1, out1) = rotated if len(rotated) == 2 else (rotated[0], (None, None))
-        _launch(g0, g1, out0, out1, cos, sin, True, True)
+        rope_bwd_into(g0, g1, out0, out1, cos, sin, True)
     if runtime.compiling_ahead():
         return None, None, None
     for g, out in ((dq, dy_q), (dk, dy_k), (dv, dy_v)):
@@ -571,8 +582,8 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
 
     With gradients on, one autograd node (QKVRopeFunction): one matmul for the three projections,
     one for dx and one for the weights' gradients, instead of three each and two adds of partial
-    dx; it keeps x and the concatenated weights for backward. Without gradients (or under
-    autocast or torch.compile) the projections run apart: concatenating the weights would cost
+    dx; it keeps x and the concatenated weights for backward, under torch.compile too. Without
+    gradients (or under autocast) the projections run apart: concatenating the weights would cost
     more than it saves for few tokens."""
     runtime.check_tensor("x", x)
     if x.dim() != 3:
@@ -597,7 +608,7 @@ def qkv_rope(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     runtime.check_same_device(x=x, w_q=w_q, w_k=w_k, w_v=w_v, b_q=b_q, b_k=b_k, b_v=b_v, cos=cos, sin=sin)
     tensors = (x, w_q, w_k, w_v, b_q, b_k, b_v)
     fused = (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-             and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling())
+             and not torch.is_autocast_enabled(x.device.type))
     if fused:
         return runtime.apply(QKVRopeFunction, *tensors, cos, sin)
     return _qkv_rope_unfused(x, w_q, w_k, w_v, cos, sin, b_q, b_k, b_v)
