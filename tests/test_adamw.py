@@ -12,6 +12,7 @@ from tritonformer.optim import AdamW
 from tritonformer.testing import check_close
 
 from conftest import gpu_only
+from helpers import fresh_launchers
 
 DEVICE = runtime.DEVICE
 
@@ -196,6 +197,21 @@ def test_a_warm_up_launches_nothing_and_keeps_no_plan():
     runtime.compile_only(adamw_step, params, grads, *states, steps, lr=1e-2)
     assert dict(adamw_op._PLANS) == plans
     assert float(steps[0]) == 0 and torch.equal(params[0], torch.ones(5, device=DEVICE))
+
+
+def test_a_warm_up_readies_the_kernels_of_a_real_step(monkeypatch):
+    """The optimizer's warm-up (one 16-element tensor, as AdamW._compile_ahead makes it) compiles
+    the specializations that a step of other sizes and counts launches."""
+    fresh_launchers(monkeypatch)
+    example = [[torch.zeros(16, device=DEVICE)] for _ in range(4)]
+    runtime.compile_only(adamw_step, *example, [torch.zeros((), device=DEVICE)], lr=0.0)
+    runtime.wait_for_background_work()
+    ahead = runtime.launched_ahead()
+    sizes = (5, 4100, 3)
+    params, grads, *states = [[torch.randn(n, device=DEVICE) for n in sizes] for _ in range(4)]
+    adamw_step(params, grads, *states, [torch.zeros((), device=DEVICE) for _ in sizes], lr=1e-3)
+    launched = runtime.launch_keys()
+    assert len(launched) == 2 and launched <= ahead, (launched, ahead)
 
 
 @gpu_only

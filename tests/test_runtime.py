@@ -200,6 +200,28 @@ def test_bfloat16_outputs_are_rounded_as_torch_rounds(device):
         assert (ours == exact.to(torch.bfloat16)).float().mean() > 0.97
 
 
+@triton.jit(do_not_specialize=["n"])
+def _fill_kernel(out_ptr, n, value, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.full([BLOCK], 0.0, tl.float32) + value, mask=offs < n)
+
+
+def test_an_unspecialized_int_keys_one_entry_for_every_value(device):
+    """do_not_specialize ints key a FastLaunch entry by their width alone: 0, 1, 3 and 32 share one
+    compile (a warm-up's example counts serve a real step's), a 64-bit value takes another."""
+    launch = runtime.FastLaunch(_fill_kernel)
+    try:
+        out = torch.zeros(64, device=device)
+        for n, value in ((0, 1.0), (1, 2.0), (3, 3.0), (32, 4.0)):
+            launch((1,), out, n, value, BLOCK=64)
+            assert torch.equal(out[:n], torch.full((n,), value, device=device))
+        assert len(launch.entries) == 1
+        launch((1,), out, 2**40, 5.0, BLOCK=64)
+        assert len(launch.entries) == 2 and torch.equal(out, torch.full_like(out, 5.0))
+    finally:
+        runtime.FastLaunch.instances.remove(launch)
+
+
 def test_planned_replays_by_layout_and_plans_each_new_one():
     """A planned launcher runs its own path for the first call of a layout and the replay it kept
     for later ones; another shape, stride, dtype or option plans anew; keyword calls, calls in

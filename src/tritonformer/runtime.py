@@ -497,6 +497,15 @@ def _bind_cuda_context(device: int) -> None:
     bound.add(device)
 
 
+def _unspecialized_positions(kernel) -> tuple[int, ...]:
+    """The positions of a kernel's do_not_specialize arguments: a JITFunction's params say it, the
+    interpreter's wrapper keeps the names it was given."""
+    if hasattr(kernel, "params"):
+        return tuple(i for i, param in enumerate(kernel.params) if param.do_not_specialize)
+    names = getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+    return tuple(name if isinstance(name, int) else kernel.arg_names.index(name) for name in names)
+
+
 class FastLaunch:
     """`kernel[grid](*args, **kwargs)` at a fraction of the host cost, with the runtime arguments
     passed by position and the constexprs and launch options by keyword.
@@ -513,12 +522,19 @@ class FastLaunch:
         self.kernel = kernel
         self.entries: dict[tuple, tuple] = {}
         self.compiling: dict[tuple, Future] = {}
+        # The ints the kernel does not specialize on, which key by their width alone (Triton's
+        # signature: i32 or i64), so that one compile serves every value (a warm-up's too).
+        self.unspecialized = _unspecialized_positions(kernel)
         FastLaunch.instances.append(self)
 
     def __call__(self, grid: tuple, *args, **kwargs) -> tuple:
         """Launch; returns the entry that `replay` takes for later arguments of this class."""
         device = None if INTERPRET else torch.cuda.current_device()
-        key = device, _specialization_key(args), tuple(kwargs.items())
+        classes = _specialization_key(args)
+        if self.unspecialized:
+            classes = tuple(8 + 4 * (-2147483648 <= a < 2147483648) if i in self.unspecialized and type(a) is int else c
+                            for i, (a, c) in enumerate(zip(args, classes)))
+        key = device, classes, tuple(kwargs.items())
         entry = self.entries.get(key)
         if _COMPILE_ONLY.get():
             if entry is None and key not in self.compiling:

@@ -19,16 +19,17 @@ def _split(flat: tuple, count: int) -> list[list[torch.Tensor]]:
 
 
 def _stepped(step, *flat, count, lr, amsgrad=False, **options):
-    """The params, exp_avgs, exp_avg_sqs and steps (and max_exp_avg_sqs) after `step` ran on copies
-    of them (steps: an empty tensor's counts too)."""
+    """The params, exp_avgs, exp_avg_sqs and what each step count went up by (and max_exp_avg_sqs)
+    after `step` ran on copies of them (an empty tensor's count too)."""
     lists = _split(tuple(t.detach().clone() for t in flat), count)
     params, grads, exp_avgs, exp_avg_sqs, steps = lists[:5]
+    before = [s.clone() for s in steps]
     if isinstance(lr, torch.Tensor):
         lr = lr.to(steps[0].device) if step is adamw_step else float(lr)
     step(params, grads, exp_avgs, exp_avg_sqs, steps, lr=lr, max_exp_avg_sqs=lists[5] if amsgrad else None,
          **options)
-    # Steps in the params' dtype, as the harness compares outputs (the cases' counts are exact in it).
-    counts = [s.to(params[0].dtype) for s in steps]
+    # The increments, 1 each, in the params' dtype as the harness compares outputs: 0 or 2 is far off in any.
+    counts = [(s - b).to(params[0].dtype) for s, b in zip(steps, before)]
     return (*params, *exp_avgs, *exp_avg_sqs, *counts, *(lists[5] if amsgrad else ()))
 
 
@@ -76,6 +77,7 @@ def adamw_test_cases() -> list[TestCase]:
         name = short_dtype(dt)
         cases += [
             case(f"{name}-odd-first-step", odd, dt, weight_decay=0.1),
+            case(f"{name}-first-and-last-empty", [(0, 2), (5,), (0,)], dt, step=4),
             case(f"{name}-step-7-amsgrad-maximize", odd, dt, step=7, amsgrad=True, maximize=True, beta1=0.8),
             case(f"{name}-strided-lr-tensor", [(5, 7), (33, 64)], dt, step=2, strided=True, lr_tensor=True),
             case(f"{name}-unaligned-amsgrad", [(4100,), (3, 7)], dt, step=3, unaligned=True, amsgrad=True),
@@ -85,6 +87,7 @@ def adamw_test_cases() -> list[TestCase]:
     cases += [
         case("fp32-beta1-0-no-decay", [(10,), (3, 3)], torch.float32, step=3, beta1=0.0, weight_decay=0.0),
         case("fp32-step-100000", [(100,)], torch.float32, step=100000),
+        case("fp32-all-empty", [(0,), (2, 0)], torch.float32, step=1),
     ]
     return cases
 

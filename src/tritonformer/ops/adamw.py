@@ -35,7 +35,8 @@ BLOCK = 4096
 SUB_BLOCK = 1024
 NUM_WARPS = 4
 # Columns of a tensor's row in the address table: its element count, then the offsets of its param,
-# grad, exp_avg, exp_avg_sq, max_exp_avg_sq and step from the first tensor of each list (_plan).
+# grad, exp_avg, exp_avg_sq, max_exp_avg_sq and step from those of the first tensor with elements
+# (an empty tensor's are 0 but its step's: _plan).
 _COLUMNS = 7
 # Rows of the coefficient table: step size, sqrt of the second bias correction, weight decay factor.
 _COEFFICIENTS = 3
@@ -52,8 +53,9 @@ def _inverse_bias_correction(step, log_beta_hi, log_beta_lo):
 
 
 # lr_in_tensor is a runtime flag, not a constexpr: capture_step moves a float lr into a tensor
-# between a step's first call and its capture, and a compile must not fall inside a capture.
-@triton.jit(do_not_specialize=["lr_in_tensor"])
+# between a step's first call and its capture, and a compile must not fall inside a capture. rows
+# unspecialized: the warm-up launches with none, and its compile must serve every real count.
+@triton.jit(do_not_specialize=["lr_in_tensor", "rows"])
 def _coefficients_kernel(table_ptr, coefficients_ptr, step_ptr, lr_ptr, lr, lr_in_tensor, rows, log_beta1_hi,
                          log_beta1_lo, log_beta2_hi, log_beta2_lo, weight_decay, ROWS: tl.constexpr):
     """Counts each tensor's step and writes its coefficients, once a step: the update's programs
@@ -194,9 +196,15 @@ def _host_buffer(spare_key: tuple, size: int, device: torch.device, capturing: b
     return torch.empty(size, dtype=torch.int64, pin_memory=True)
 
 
+def _address_words(tensors: int) -> int:
+    """int64 words of the address table, _COLUMNS a tensor, made even: the work table after it then
+    starts on 16 bytes, as a warm-up's example table does (the kernel is compiled for that)."""
+    return (tensors * _COLUMNS + 1) // 2 * 2
+
+
 def _table_size(numels: list[int]) -> int:
-    """int64 words of a launch's tables: _COLUMNS a tensor, one a block (two int32)."""
-    return sum(_COLUMNS + runtime.cdiv(n, BLOCK) for n in numels)
+    """int64 words of a launch's tables: the address table's, then one a block (two int32)."""
+    return _address_words(len(numels)) + sum(runtime.cdiv(n, BLOCK) for n in numels)
 
 
 def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], spare_key: tuple,
@@ -221,8 +229,9 @@ def _plan(columns: tuple[list[torch.Tensor], ...], steps: list[torch.Tensor], sp
     counts = torch.tensor([runtime.cdiv(row[0], BLOCK) for row in rows])
     total = int(counts.sum())
     device = steps[0].device
-    host = _host_buffer(spare_key, len(rows) * _COLUMNS + total, device, capturing)
-    table, work = host[:len(rows) * _COLUMNS], host[len(rows) * _COLUMNS:].view(torch.int32)
+    words = _address_words(len(rows))
+    host = _host_buffer(spare_key, words + total, device, capturing)
+    table, work = host[:len(rows) * _COLUMNS], host[words:].view(torch.int32)
     table.copy_(torch.tensor(rows).flatten())
     first_blocks = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     work.view(total, 2).copy_(torch.stack([torch.repeat_interleave(torch.arange(len(rows)), counts),
@@ -266,8 +275,6 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tens
             raise ValueError(f"lr must hold one value, got shape {tuple(lr_tensor.shape)}")
     if not params:
         return
-    if len({t.data_ptr() for t in steps if isinstance(t, torch.Tensor)}) < len(steps):
-        raise ValueError("steps holds one tensor twice: each param counts its own step")
     dtype, device = params[0].dtype, params[0].device
     for i, p in enumerate(params):
         runtime.check_tensor(f"params[{i}]", p, runtime.FLOAT_DTYPES)
@@ -288,6 +295,8 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr_tens
                                  f"{device}: they must match")
             elif t.layout != torch.strided:
                 raise ValueError(f"{name}[{i}] has layout {t.layout}: AdamW takes dense tensors")
+    if len({t.data_ptr() for t in steps}) < len(steps):
+        raise ValueError("steps holds one tensor twice: each param counts its own step")
 
 
 def _fake_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs, lr, lr_tensor, beta1, beta2,
