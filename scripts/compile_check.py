@@ -106,12 +106,14 @@ def record_launches(D, dtype, causal, varlen, window):
 
 
 def parse_configs(text):
-    """'BMxBN:wW:sS,...' -> triton.Configs (to try candidates not in the op's lists)."""
+    """'BMxBN:wW:sS[:rR],...' -> triton.Configs (to try candidates not in the op's lists; rR caps
+    the registers a thread at R, Triton's maxnreg)."""
     out = []
     for item in filter(None, text.split(",")):
-        tile, w, st = item.split(":")
+        tile, w, st, *regs = item.split(":")
         bm, bn = map(int, tile.split("x"))
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=int(w[1:]), num_stages=int(st[1:])))
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=int(w[1:]), num_stages=int(st[1:]),
+                                 maxnreg=int(regs[0][1:]) if regs else None))
     return out
 
 

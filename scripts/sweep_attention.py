@@ -1,7 +1,7 @@
 """Per-kernel timing of the attention kernels over launch configs, on the GPU.
 
     PYTHONPATH=src python3 scripts/sweep_attention.py [--shapes B,H,S,D,causal[,H_kv];...] [--kernels fwd,dkdv,dq]
-        [--extra fwd=128x128:w8:s3,...;dkdv=...] [--descriptors 0,1] [--json FILE]
+        [--extra fwd=128x128:w8:s3,...;dkdv=32x64:w4:s3:r168,...] [--descriptors 0,1] [--json FILE]
 
 For each shape (bf16, the issue's targets by default) the op's own forward and backward are
 called once with their launchers replaced by recorders (scripts/compile_check.py's), which
@@ -91,7 +91,7 @@ def main():
             kept = kernel.early_config_prune(configs, named, **kw) + extra.get(name, [])
             seen = set()
             for c in kept:
-                tile = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
+                tile = attn._config_label(c)
                 if tile in seen:
                     continue
                 seen.add(tile)
@@ -105,8 +105,9 @@ def main():
                         meta = dict(with_descriptors, **c.kwargs)
                     g = grid(meta) if callable(grid) else grid
                     try:
-                        ms = do_bench(lambda: fn[g](*run_args, **meta, num_warps=c.num_warps, num_stages=c.num_stages),
-                                      warmup=10, rep=60)
+                        options = dict(num_warps=c.num_warps, num_stages=c.num_stages,
+                                       **({"maxnreg": c.maxnreg} if c.maxnreg else {}))
+                        ms = do_bench(lambda: fn[g](*run_args, **meta, **options), warmup=10, rep=60)
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is a row
                         rows.append(dict(shape=shape, kernel=name, config=label, error=type(e).__name__))
                         print(f"{shape:26s} {name:5s} {label:16s} FAILED {type(e).__name__}: {str(e)[:120]}",

@@ -119,16 +119,19 @@ def test_gqa_kv_gradients_sum_over_the_group(device):
         assert_close(g, r, torch.float32, compare="norm")
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 7])
-def test_gqa_kv_gradients_cut_into_parts_of_the_group(device, monkeypatch, parts):
-    """7 query heads a kv head, as Qwen2.5-0.5B has, summed in one program or in runs of 4 + 3,
-    3 + 3 + 1 or 1 each; a second call replays the planned launches with new data."""
+@pytest.mark.parametrize("parts,window", [(1, None), (2, None), (3, None), (7, None), (2, 9), (5, 9)])
+def test_gqa_kv_gradients_cut_into_parts_of_the_group(device, monkeypatch, parts, window):
+    """7 query heads a kv head, as Qwen2.5-0.5B has, summed in one program or in 2, 3, 5 or 7
+    equal shares of the group's query blocks (shares that start and end inside a head's band,
+    across its masked and unmasked blocks; a window's band too); a second call replays the
+    planned launches with new data."""
     monkeypatch.setattr(attention_ops, "_dkdv_parts", lambda lay, device: parts)
     for _ in range(2):
         q, k, v = _qkv(device, B=2, H=14, H_kv=2, S_q=40, S_k=40)
         do = torch.randn_like(q)
-        grads = _grads(lambda *t: tf.attention(*t, causal=True), (q, k, v), do)
-        ref = _grads(lambda *t: attention_reference(*t, causal=True), _double_leaves(q, k, v), do.double())
+        grads = _grads(lambda *t: tf.attention(*t, causal=True, window=window), (q, k, v), do)
+        ref = _grads(lambda *t: attention_reference(*t, causal=True, window=window), _double_leaves(q, k, v),
+                     do.double())
         for g, r in zip(grads, ref):
             assert_close(g, r, torch.float32, compare="norm")
 
@@ -147,7 +150,7 @@ def test_gqa_parts_fill_the_gpu_only_when_kv_heads_are_too_few(monkeypatch):
         q, k = torch.empty(B, H, S, 64, device="meta"), torch.empty(B, H_kv, S, 64, device="meta")
         return attention_ops._dkdv_parts(attention_ops._Layout(q, k, None, 0, 0), torch.device("meta"))
 
-    assert parts(4, 14, 2, 2048) == 2  # Qwen2.5-0.5B: 256 programs of 64 keys, runs of 4 and 3 heads
+    assert parts(4, 14, 2, 2048) == 2  # Qwen2.5-0.5B: 256 programs of 64 keys, two shares of 7 heads' blocks
     assert parts(4, 9, 3, 2048) == 1  # SmolLM2-135M: 384 programs
     assert parts(4, 32, 8, 4096) == 1
     assert parts(4, 16, 16, 2048) == 1  # no group to cut

@@ -142,7 +142,9 @@ def _smem_fits(configs, named_args, kwargs, tile_rows, kernel):
 
 
 def _config_label(c) -> str:
-    return f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
+    """'BMxBN:wW:sS', plus ':rR' where the config caps a thread's registers (maxnreg)."""
+    label = f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}:w{c.num_warps}:s{c.num_stages}"
+    return f"{label}:r{c.maxnreg}" if c.maxnreg else label
 
 
 # The configs within a few percent of the best at some target shape in scripts/sweep_attention.py
@@ -569,10 +571,10 @@ def _attention_bwd_dkdv_kernel(
 ):
     """dK, dV of one key block of one kv head: sums over the group's query heads, in order, and
     the query blocks of the band. Works on transposed scores (keys along rows). dK and dV share
-    the strides stride_dk*. With PARTS > 1 the group's heads are cut into PARTS runs of
-    consecutive heads, one program each, and a run's sums go to its own float32 part
-    (dk_ptr + part * stride_dkp) for _sum_parts_kernel to add up. With DESCRIPTORS, Q and dO
-    blocks come through tensor descriptors."""
+    the strides stride_dk*. With PARTS > 1 the group's (head, query block) sequence is cut into
+    PARTS equal runs, one program each (a run may start and end inside a head's band), and a
+    run's sums go to its own float32 part (dk_ptr + part * stride_dkp) for _sum_parts_kernel to
+    add up. With DESCRIPTORS, Q and dO blocks come through tensor descriptors."""
     # Causal: the first key blocks see the most queries; they start first.
     rank, bhkp = _grouped_block(tl.cdiv(S_k, BLOCK_N), GROUP_PROGRAMS)
     start_n = rank * BLOCK_N
@@ -581,9 +583,6 @@ def _attention_bwd_dkdv_kernel(
     b = (bhk // H_kv).to(tl.int64)
     hk = (bhk % H_kv).to(tl.int64)
     group = H // H_kv
-    per_part = tl.cdiv(group, PARTS)
-    first_head = part * per_part
-    last_head = tl.minimum(first_head + per_part, group)
     q_start, len_q, k_start, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, S_q, S_k, VARLEN)
     if VARLEN:
         if start_n >= len_k:
@@ -607,10 +606,19 @@ def _attention_bwd_dkdv_kernel(
     mid_lo, mid_hi = _unmasked_query_range(start_n, lo, hi, len_q, len_k, shift, window_left,
                                            BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
 
+    # This part's share of the group's query blocks, [first, last) of group x n_blocks in head
+    # order: equal shares, so the longest program is the band's work over PARTS (runs of whole
+    # heads gave one part 4 of 7 heads: docs/attention.md).
+    n_blocks = tl.maximum(tl.cdiv(hi - lo, BLOCK_M), 1)
+    first = part * (group * n_blocks) // PARTS
+    last = (part + 1) * (group * n_blocks) // PARTS
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for g in range(first_head, last_head):
+    for g in range(first // n_blocks, tl.cdiv(last, n_blocks)):
         h = hk * group + g
+        # The head's query rows in this share, cut at the masked / unmasked boundaries below.
+        share_lo = lo + tl.maximum(first - g * n_blocks, 0) * BLOCK_M
+        share_hi = tl.minimum(lo + tl.minimum(last - g * n_blocks, n_blocks) * BLOCK_M, hi)
         q_src = _stream_source(q_ptr, b, h, q_start, stride_qb, stride_qh, stride_qs, DESCRIPTORS)
         do_src = _stream_source(do_ptr, b, h, q_start, stride_dob, stride_doh, stride_dos, DESCRIPTORS)
         b32, h32 = b.to(tl.int32), h.to(tl.int32)
@@ -620,16 +628,17 @@ def _attention_bwd_dkdv_kernel(
         # cut by the window or the end of the queries.
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              cap_in, cap2, lo, mid_lo, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
-                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
+                              cap_in, cap2, share_lo, tl.minimum(mid_lo, share_hi), True, CAUSAL, WINDOW, SOFTCAP,
+                              TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              cap_in, cap2, mid_lo, mid_hi, False, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
-                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
+                              cap_in, cap2, tl.maximum(mid_lo, share_lo), tl.minimum(mid_hi, share_hi), False, CAUSAL,
+                              WINDOW, SOFTCAP, TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D,
+                              DESCRIPTORS)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, b32, h32, lse_row, delta_row, stride_qs, stride_qd,
                               stride_dos, stride_dod, offs_n, offs_d, len_q, len_k, shift, window_left, qk_scale,
-                              cap_in, cap2, mid_hi, hi, True, CAUSAL, WINDOW, SOFTCAP, TANH_APPROX, UPCAST,
-                              INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
+                              cap_in, cap2, tl.maximum(mid_hi, share_lo), share_hi, True, CAUSAL, WINDOW, SOFTCAP,
+                              TANH_APPROX, UPCAST, INPUT_PRECISION, BLOCK_M, HEAD_D, BLOCK_D, DESCRIPTORS)
 
     out_offs = (part.to(tl.int64) * stride_dkp + b * stride_dkb + hk * stride_dkh
                 + (k_start + offs_n[:, None]) * stride_dks + offs_d[None, :])
