@@ -22,14 +22,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import tritonformer  # noqa: F401  (before transformers)
-    from tritonformer.bench.e2e import FULL, make_model
+    from tritonformer.bench.e2e import FULL, make_model, make_optimizer
     from tritonformer.integrations import hf
 
     family = hf.FAMILIES["llama"]
     if not isinstance(getattr(family, args.feature, None), bool):
         raise SystemExit(f"--feature must be a boolean attribute of hf.Family, got {args.feature!r}")
     model = make_model(FULL, "cuda", torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_optimizer("tritonformer", model)
     data = torch.randint(0, FULL["vocab"], (FULL["batch"], FULL["seq"]), device="cuda")
 
     def use(on: bool) -> None:

@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import tritonformer  # noqa: F401  (before transformers)
-    from tritonformer.bench.e2e import MODELS, make_model
+    from tritonformer.bench.e2e import MODELS, make_model, make_optimizer
 
     sizes = MODELS[args.model]
     family = sizes["family"]
@@ -108,7 +108,7 @@ def main() -> None:
             setattr(hf.FAMILIES[family], feature, False)
         hf.patch(model)
     step_model = torch.compile(model) if args.stack.endswith("torch.compile") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_optimizer(args.stack, model)
     data = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]), device="cuda")
 
     def forward():

@@ -83,6 +83,17 @@ def make_model(sizes: dict, device, dtype):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
 
 
+def make_optimizer(stack: str, model):
+    """The stack's AdamW: ours in our stacks, torch's fused one (on a GPU) in the others (docs/optim.md)."""
+    import torch
+
+    import tritonformer
+
+    if stack.startswith("tritonformer"):
+        return tritonformer.optim.AdamW(model.parameters(), lr=1e-4)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=next(model.parameters()).is_cuda)
+
+
 def run_stack(stack: str, sizes: dict) -> dict:
     """One stack's measures (in this process)."""
     import torch
@@ -103,11 +114,7 @@ def run_stack(stack: str, sizes: dict) -> dict:
         from tritonformer.integrations import hf
         hf.patch(model)
     step_model = torch.compile(model) if stack.endswith("torch.compile") else model
-    # Our stacks step with our AdamW, the others with torch's fused one (docs/optim.md).
-    if stack.startswith("tritonformer"):
-        opt = tritonformer.optim.AdamW(model.parameters(), lr=1e-4)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = make_optimizer(stack, model)
 
     def train_step(ids):
         loss = step_model(input_ids=ids, labels=ids).loss
