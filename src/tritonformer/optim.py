@@ -1,5 +1,6 @@
 """`tritonformer.optim.AdamW`: torch's AdamW (same arguments, state and state_dict; a subclass), its
-step one launch for each dtype and device of a parameter group (ops/adamw.py; docs/optim.md).
+step two launches for each dtype and device of a parameter group, whatever the tensor count
+(ops/adamw.py; docs/optim.md).
 
     opt = tritonformer.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
