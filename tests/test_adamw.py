@@ -208,7 +208,8 @@ def test_a_warm_up_readies_the_kernels_of_a_real_step(monkeypatch):
     runtime.wait_for_background_work()
     ahead = runtime.launched_ahead()
     sizes = (5, 4100, 3)
-    params, grads, *states = [[torch.randn(n, device=DEVICE) for n in sizes] for _ in range(4)]
+    params, grads = [[torch.randn(n, device=DEVICE) for n in sizes] for _ in range(2)]
+    states = [[torch.zeros(n, device=DEVICE) for n in sizes] for _ in range(2)]
     adamw_step(params, grads, *states, [torch.zeros((), device=DEVICE) for _ in sizes], lr=1e-3)
     launched = runtime.launch_keys()
     assert len(launched) == 2 and launched <= ahead, (launched, ahead)
