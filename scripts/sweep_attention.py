@@ -105,8 +105,8 @@ def main():
                         meta = dict(with_descriptors, **c.kwargs)
                     g = grid(meta) if callable(grid) else grid
                     try:
-                        options = dict(num_warps=c.num_warps, num_stages=c.num_stages,
-                                       **({"maxnreg": c.maxnreg} if c.maxnreg else {}))
+                        # The config's launch options (warps, stages, a register cap where it sets one).
+                        options = {k: v for k, v in c.all_kwargs().items() if k not in c.kwargs}
                         ms = do_bench(lambda: fn[g](*run_args, **meta, **options), warmup=10, rep=60)
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile or launch is a row
                         rows.append(dict(shape=shape, kernel=name, config=label, error=type(e).__name__))
