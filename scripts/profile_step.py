@@ -4,7 +4,8 @@ the kernels' busy time, and the longest gaps between kernels with the kernels ei
 GPU machine:
 
     python scripts/profile_step.py [--model e2e|smollm2-135m|qwen2.5-0.5b|qwen3-moe]
-        [--stack tritonformer|hf-eager|hf+liger|hf+torch.compile|tritonformer+torch.compile]
+        [--stack tritonformer|tritonformer+cuda_graphs|hf-eager|hf+liger|hf+torch.compile|
+                 tritonformer+torch.compile]
         [--top 30] [--gaps 15]
 
 Under torch.compile it also prints dynamo's graph count and graph breaks (by reason).
@@ -79,8 +80,9 @@ def print_gaps(prof, count: int, stacks: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stack", default="tritonformer", choices=["tritonformer", "hf-eager", "hf+liger",
-                                                                    "hf+torch.compile", "tritonformer+torch.compile"])
+    parser.add_argument("--stack", default="tritonformer", choices=[
+        "tritonformer", "tritonformer+cuda_graphs", "hf-eager", "hf+liger", "hf+torch.compile",
+        "tritonformer+torch.compile"])
     parser.add_argument("--model", default="e2e", help="a bench e2e model name (bench.e2e.MODELS)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--gaps", type=int, default=15, help="longest idle gaps listed")
@@ -92,7 +94,7 @@ def main() -> None:
     parser.add_argument("--syncs", action="store_true", help="the Python stack of each host synchronisation in a step")
     args = parser.parse_args()
 
-    import tritonformer  # noqa: F401  (before transformers)
+    import tritonformer  # before transformers
     from tritonformer.bench.e2e import MODELS, make_model, make_optimizer
 
     sizes = MODELS[args.model]
@@ -114,11 +116,18 @@ def main() -> None:
     def forward():
         return step_model(input_ids=data, labels=data, use_cache=args.use_cache or None).loss
 
-    def step():
-        loss = forward()
+    def train_step(ids):
+        loss = step_model(input_ids=ids, labels=ids, use_cache=args.use_cache or None).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    if args.stack.endswith("cuda_graphs"):
+        # The step as one CUDA graph (bench e2e's capture stack): the gaps left are the graph's own.
+        train_step = tritonformer.capture_step(train_step)
+
+    def step():
+        train_step(data)
 
     for _ in range(5):
         step()

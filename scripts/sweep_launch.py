@@ -2,12 +2,14 @@
 config, best first); what it finds goes into the ops' launch heuristics (docs/norm.md,
 docs/swiglu.md, docs/rope.md, docs/softmax.md, docs/cross_entropy.md). On the GPU machine:
 
-    PYTHONPATH=src python3 scripts/sweep_launch.py [norm|swiglu|rope|softmax|loss ...]   (default: all)
+    PYTHONPATH=src python3 scripts/sweep_launch.py [norm|norm_small|column_sums|swiglu|rope|softmax|loss ...]
 
 norm: RMSNorm and LayerNorm forward (warps; LayerNorm's statistics by one shifted reduction or
 three) and in-register backward (warps, weight held or reloaded, programs an SM), beside the
-op's own choice. swiglu: elements and warps a program. rope: rope.LAUNCH's settings. softmax:
-rows and warps a program. loss: the fused loss's per-chunk kernel (cross_entropy's
+op's own choice. norm_small: small models' add_rms_norm both ways (rows, warps, programs an SM,
+the partial sums' reduction). column_sums: norm.column_sums's tiles, warps, stages and programs.
+swiglu: elements and warps a program. rope: rope.LAUNCH's settings. softmax: rows and warps a
+program. loss: the fused loss's per-chunk kernel (cross_entropy's
 _loss_and_grad_kernel) on one chunk of bench e2e's loss, 1024 x 128256 bf16 logits, by warps and
 chunk width (the row is read twice: statistics, then gradient).
 """
@@ -63,6 +65,86 @@ def sweep_norm():
             name = "rms" if rms else "ln"
             print(f"norm {name} {M}x{N} current {current} fwd", sorted(fwd, reverse=True)[:6], flush=True)
             print(f"norm {name} {M}x{N} bwd", sorted(bwd, reverse=True)[:6], flush=True)
+
+
+def sweep_norm_small():
+    """Small models' RMSNorm (8192 tokens of a 576-2048 hidden size, add_rms_norm's fused add
+    both ways): forward rows and warps a program; backward rows, warps and programs an SM, timed
+    with the partial sums' reduction after it (its columns a program and parts a step), since
+    the programs an SM set how many partial rows it reads. The op's own choice is marked."""
+    from tritonformer.ops import norm
+
+    for M, N in ((8192, 896), (8192, 576), (8192, 2048)):
+        x, res, dy, dres = (torch.randn(M, N, device=dev, dtype=bf16) for _ in range(4))
+        w = torch.randn(N, device=dev, dtype=bf16)
+        h, y, dx = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        stats = torch.rand(M, device=dev) + 0.5
+        flags = dict(RMS=True, HAS_W=True, HAS_B=False, ROUND_XHAT=True)
+        block_n = triton.next_power_of_2(N)
+        fwd, bwd = [], []
+        for block_m in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8, 16):
+                if not 2 <= block_m * block_n // (32 * warps) <= 64:
+                    continue
+                f = lambda: norm._norm_fwd_kernel[(triton.cdiv(M, block_m),)](  # noqa: E731
+                    x, res, h, w, w, y, stats, M, N, N, N, N, 1e-6, 0.0, **flags, HAS_RES=True,
+                    BLOCK_M=block_m, BLOCK_N=block_n, SHIFTED_STATS=False, num_warps=warps)
+                fwd.append((round(gbps(f, 4 * x.nbytes)), block_m, warps))
+                for per_sm in (1, 2, 4, 8, 16):
+                    if per_sm * warps > 64:
+                        continue
+                    programs = min(M // block_m, 132 * per_sm)
+                    part = torch.empty(programs, N, device=dev)
+                    sums = torch.empty(1, N, device=dev, dtype=bf16)
+                    for sum_n, sum_p in ((32, 64), (16, 64), (64, 32), (128, 16)):
+                        def g():
+                            norm._norm_bwd_kernel[(programs,)](
+                                x, w, dy, dres, dx, stats, part, M, N, N, N, N, N, 0.0, **flags, HAS_DRES=True,
+                                BLOCK_M=block_m, BLOCK_N=block_n, RELOAD_W=True, num_warps=warps)
+                            norm._sum_parts_kernel[(triton.cdiv(N, sum_n), 1)](
+                                part, sums, programs, N, BLOCK_P=sum_p, BLOCK_N=sum_n, num_warps=4)
+                        bwd.append((round(gbps(g, 4 * x.nbytes)), block_m, warps, per_sm, sum_n, sum_p))
+        fwd_now = norm._launch_shape(N, True, False)
+        bwd_now = norm._bwd_launch_shape(N, True)
+        print(f"norm small {M}x{N} fwd GB/s, rows, warps; current {fwd_now}", sorted(fwd, reverse=True)[:5],
+              "current:", [r for r in fwd if r[1:] == (fwd_now[0], fwd_now[2])], flush=True)
+        print(f"norm small {M}x{N} bwd+sum GB/s, rows, warps, per SM, sum cols, sum parts; current {bwd_now}",
+              sorted(bwd, reverse=True)[:6], "current:",
+              [r for r in bwd if r[1:4] == (bwd_now[0], bwd_now[2], bwd_now[3]) and r[4:] == (32, 64)], flush=True)
+
+
+def sweep_column_sums():
+    """norm.column_sums (a bias gradient: the column sums of a tall 16-bit matrix): its first
+    pass's tile rows and columns, warps, stages and programs an SM, timed with the sum of the
+    partial rows after it. The op's own choice is marked."""
+    from tritonformer.ops import norm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    current = (norm.COLUMN_PARTS_BLOCK_M, norm.COLUMN_PARTS_BLOCK_N, 4, 3, norm.COLUMN_PARTS_PER_SM)
+    for M, N in ((8192, 1152), (8192, 2560), (16384, 6144)):
+        x = torch.randn(M, N, device=dev, dtype=bf16)
+        sums = torch.empty(N, device=dev, dtype=bf16)
+        results = []
+        for block_m in (16, 32, 64):
+            for block_n in (128, 256, 512):
+                for warps in (4, 8):
+                    for stages in (1, 3):
+                        for per_sm in (2, 4, 8):
+                            col_blocks = triton.cdiv(N, block_n)
+                            parts_count = max(1, min(triton.cdiv(M, block_m), triton.cdiv(per_sm * sms, col_blocks)))
+                            parts = torch.empty(parts_count, N, device=dev)
+
+                            def f():
+                                norm._column_parts_kernel[(col_blocks, parts_count)](
+                                    x, parts, M, N, N, 1, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                    num_stages=stages)
+                                norm._sum_parts_kernel[(triton.cdiv(N, norm.SUM_PARTS_BLOCK_N), 1)](
+                                    parts, sums, parts_count, N, BLOCK_P=norm.SUM_PARTS_BLOCK_P,
+                                    BLOCK_N=norm.SUM_PARTS_BLOCK_N, num_warps=4)
+                            results.append((round(gbps(f, x.nbytes)), block_m, block_n, warps, stages, per_sm))
+        print(f"column_sums {M}x{N} GB/s, rows, cols, warps, stages, per SM", sorted(results, reverse=True)[:6],
+              "current:", [r for r in results if r[1:] == current],
+              "torch:", round(gbps(lambda: x.sum(0), x.nbytes)), flush=True)
 
 
 def sweep_swiglu():
@@ -154,7 +236,8 @@ def sweep_loss():
                   f"({3 * rows * V * 2 / ms / 1e9:5.2f} TB/s as 3 passes)", flush=True)
 
 
-SWEEPS = {"norm": sweep_norm, "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax, "loss": sweep_loss}
+SWEEPS = {"norm": sweep_norm, "norm_small": sweep_norm_small, "column_sums": sweep_column_sums,
+          "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax, "loss": sweep_loss}
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from .norm import column_sums
 
 LAYOUTS = ("bhsd", "bshd")
 TABLE_DTYPES = (*runtime.FLOAT_DTYPES, torch.float64)
@@ -513,18 +514,21 @@ def qkv_rope_bwd(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Ten
     if rotated:
         (g0, out0), (g1, out1) = rotated if len(rotated) == 2 else (rotated[0], (None, None))
         rope_bwd_into(g0, g1, out0, out1, cos, sin, True)
+    dy2 = dy.view(-1, w.shape[0])
     if runtime.compiling_ahead():
+        if need_db:
+            column_sums(dy2, dy2.dtype)
         return None, None, None
     for g, out in ((dq, dy_q), (dk, dy_k), (dv, dy_v)):
         if g is None:
             out.zero_()
     if dv is not None:
         dy_v.copy_(dv.transpose(1, 2))
-    dy2, x2 = dy.view(-1, w.shape[0]), x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     sizes = [h * D for h in heads]
     dx = (dy2 @ w).view(x.shape) if need_dx else None
     dw = (dy2.mT @ x2).split(sizes) if need_dw else None
-    db = dy2.sum(0).split(sizes) if need_db else None
+    db = column_sums(dy2, dy2.dtype).split(sizes) if need_db else None
     return dx, dw, db
 
 
