@@ -2,16 +2,16 @@
 config, best first); what it finds goes into the ops' launch heuristics (docs/norm.md,
 docs/swiglu.md, docs/rope.md, docs/softmax.md, docs/cross_entropy.md). On the GPU machine:
 
-    PYTHONPATH=src python3 scripts/sweep_launch.py [norm|norm_small|column_sums|swiglu|rope|softmax|loss ...]
+    PYTHONPATH=src python3 scripts/sweep_launch.py [norm|norm_small|qkv_grad|swiglu|rope|softmax|loss ...]
 
 norm: RMSNorm and LayerNorm forward (warps; LayerNorm's statistics by one shifted reduction or
 three) and in-register backward (warps, weight held or reloaded, programs an SM), beside the
 op's own choice. norm_small: small models' add_rms_norm both ways (rows, warps, programs an SM,
-the partial sums' reduction). column_sums: norm.column_sums's tiles, warps, stages and programs.
+the partial sums' reduction). qkv_grad: qkv_rope's backward launch (tiles, programs, warps).
 swiglu: elements and warps a program. rope: rope.LAUNCH's settings. softmax: rows and warps a
-program. loss: the fused loss's per-chunk kernel (cross_entropy's
-_loss_and_grad_kernel) on one chunk of bench e2e's loss, 1024 x 128256 bf16 logits, by warps and
-chunk width (the row is read twice: statistics, then gradient).
+program. loss: the fused loss's per-chunk kernel (cross_entropy's _loss_and_grad_kernel) on one
+chunk of bench e2e's loss, 1024 x 128256 bf16 logits, by warps and chunk width (the row is read
+twice: statistics, then gradient).
 """
 
 import argparse
@@ -113,38 +113,37 @@ def sweep_norm_small():
               [r for r in bwd if r[1:4] == (bwd_now[0], bwd_now[2], bwd_now[3]) and r[4:] == (32, 64)], flush=True)
 
 
-def sweep_column_sums():
-    """norm.column_sums (a bias gradient: the column sums of a tall 16-bit matrix): its first
-    pass's tile rows and columns, warps, stages and programs an SM, timed with the sum of the
-    partial rows after it. The op's own choice is marked."""
-    from tritonformer.ops import norm
+def sweep_qkv_grad():
+    """qkv_rope's backward launch (rope.qkv_rope_grad: q's and k's gradients rotated back, v's
+    copied, token-major, with the bias gradient's partial sums or without) by tile elements,
+    programs an SM and warps, GB/s counting its reads and writes; the op's own choice is marked.
+    Beside it the path it replaced: the rotation's kernel, torch's copy of dv and dy.sum(0)."""
+    from tritonformer.ops import rope
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    current = (norm.COLUMN_PARTS_BLOCK_M, norm.COLUMN_PARTS_BLOCK_N, 4, 3, norm.COLUMN_PARTS_PER_SM)
-    for M, N in ((8192, 1152), (8192, 2560), (16384, 6144)):
-        x = torch.randn(M, N, device=dev, dtype=bf16)
-        sums = torch.empty(N, device=dev, dtype=bf16)
+    for B, S, Hq, Hk, D, bias in ((4, 2048, 14, 2, 64, True), (4, 2048, 32, 8, 128, False)):
+        x = torch.empty(B, S, 1, device=dev, dtype=bf16)
+        dq, dk, dv = (torch.randn(B, h, S, D, device=dev, dtype=bf16) for h in (Hq, Hk, Hk))
+        cos, sin = (torch.randn(S, D, device=dev, dtype=bf16) for _ in range(2))
+        nbytes = 2 * (dq.nbytes + dk.nbytes + dv.nbytes)
+        current = (rope.QKV_GRAD_TILE_ELEMENTS, rope.QKV_GRAD_PROGRAMS_PER_SM, rope.QKV_GRAD_NUM_WARPS)
         results = []
-        for block_m in (16, 32, 64):
-            for block_n in (128, 256, 512):
-                for warps in (4, 8):
-                    for stages in (1, 3):
-                        for per_sm in (2, 4, 8):
-                            col_blocks = triton.cdiv(N, block_n)
-                            parts_count = max(1, min(triton.cdiv(M, block_m), triton.cdiv(per_sm * sms, col_blocks)))
-                            parts = torch.empty(parts_count, N, device=dev)
+        for config in [(t, p, w) for t in (2048, 4096, 8192) for p in (4, 8, 16) for w in (4, 8)]:
+            rope.QKV_GRAD_TILE_ELEMENTS, rope.QKV_GRAD_PROGRAMS_PER_SM, rope.QKV_GRAD_NUM_WARPS = config
+            f = lambda: rope.qkv_rope_grad(dq, dk, dv, x, cos, sin, [Hq, Hk, Hk], bias)  # noqa: E731
+            results.append((round(gbps(f, nbytes)), *config))
+        rope.QKV_GRAD_TILE_ELEMENTS, rope.QKV_GRAD_PROGRAMS_PER_SM, rope.QKV_GRAD_NUM_WARPS = current
+        dy = torch.empty(B, S, (Hq + 2 * Hk) * D, device=dev, dtype=bf16)
+        heads = dy.view(B, S, -1, D).split([Hq, Hk, Hk], dim=2)
 
-                            def f():
-                                norm._column_parts_kernel[(col_blocks, parts_count)](
-                                    x, parts, M, N, N, 1, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                    num_stages=stages)
-                                norm._sum_parts_kernel[(triton.cdiv(N, norm.SUM_PARTS_BLOCK_N), 1)](
-                                    parts, sums, parts_count, N, BLOCK_P=norm.SUM_PARTS_BLOCK_P,
-                                    BLOCK_N=norm.SUM_PARTS_BLOCK_N, num_warps=4)
-                            results.append((round(gbps(f, x.nbytes)), block_m, block_n, warps, stages, per_sm))
-        print(f"column_sums {M}x{N} GB/s, rows, cols, warps, stages, per SM", sorted(results, reverse=True)[:6],
-              "current:", [r for r in results if r[1:] == current],
-              "torch:", round(gbps(lambda: x.sum(0), x.nbytes)), flush=True)
+        def before():
+            out_q, out_k = rope.rope_bwd(dq.transpose(1, 2), dk.transpose(1, 2), cos, sin, True)
+            heads[0].copy_(out_q)
+            heads[1].copy_(out_k)
+            heads[2].copy_(dv.transpose(1, 2))
+            return dy.view(B * S, -1).sum(0) if bias else dy
+        print(f"qkv_grad B{B} S{S} {Hq}/{Hk}x{D} bias={bias} GB/s, tile elements, programs an SM, warps",
+              sorted(results, reverse=True)[:5], "current:", [r for r in results if r[1:] == current],
+              "torch path (extra copies):", round(gbps(before, nbytes)), flush=True)
 
 
 def sweep_swiglu():
@@ -236,8 +235,8 @@ def sweep_loss():
                   f"({3 * rows * V * 2 / ms / 1e9:5.2f} TB/s as 3 passes)", flush=True)
 
 
-SWEEPS = {"norm": sweep_norm, "norm_small": sweep_norm_small, "column_sums": sweep_column_sums,
-          "swiglu": sweep_swiglu, "rope": sweep_rope, "softmax": sweep_softmax, "loss": sweep_loss}
+SWEEPS = {"norm": sweep_norm, "norm_small": sweep_norm_small, "qkv_grad": sweep_qkv_grad, "swiglu": sweep_swiglu,
+          "rope": sweep_rope, "softmax": sweep_softmax, "loss": sweep_loss}
 
 
 def main() -> None:

@@ -488,9 +488,37 @@ def test_qkv_rope_is_one_node_and_compiles(device):
     explain = torch._dynamo.explain(loss)(x, *ws)
     calls = {str(node.target) for graph in explain.graphs for module in graph.modules()
              if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes}
-    assert {"tritonformer.rope_fwd_inplace.default", "tritonformer.rope_bwd_into.default"} <= calls, calls
+    assert {"tritonformer.rope_fwd_inplace.default", "tritonformer.qkv_rope_grad.default"} <= calls, calls
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("missing", [None, "dq", "dv"])
+def test_qkv_rope_grad_is_the_rotated_back_gradients_and_their_column_sums(device, monkeypatch, dtype, missing):
+    """qkv_rope's backward launch: dy holds q's and k's gradients rotated back and v's copied,
+    token-major in (q, k, v) head order, zeros for a missing gradient; db is dy's column sums.
+    Tiles of 2 tokens over 3 x 7 tokens and more blocks than programs (each loops), gradients in
+    (B, H, S, D) read through a transposed view, a per-batch table and D 12 (halves of 6 in
+    blocks of 8)."""
+    monkeypatch.setattr(rope_op, "QKV_GRAD_TILE_ELEMENTS", 32)
+    B, S, Hq, Hk, D = 3, 7, 3, 1, 12
+    x = torch.randn(B, S, 5, device=device).to(dtype)
+    grads = {name: torch.randn(B, S, h, D, device=device).to(dtype).transpose(1, 2)
+             for name, h in (("dq", Hq), ("dk", Hk), ("dv", Hk))}
+    grads[missing] = None
+    cos, sin = (torch.rand(B, S, D, device=device) * 2 - 1 for _ in range(2))
+    dy, db = rope_op.qkv_rope_grad(grads["dq"], grads["dk"], grads["dv"], x, cos, sin, [Hq, Hk, Hk], True)
+    zeros = {name: torch.zeros(B, h, S, D, device=device) for name, h in (("dq", Hq), ("dk", Hk), ("dv", Hk))}
+    dq, dk, dv = (zeros[name] if grads[name] is None else grads[name].double() for name in ("dq", "dk", "dv"))
+    dq, dk = _reference_grads(dq, dk, cos, sin, (dq, dk))  # the rotation's transpose (its inputs do not matter)
+    expected = torch.cat([t.double().transpose(1, 2).reshape(B * S, -1) for t in (dq, dk, dv)], dim=1)
+    assert dy.shape == (B * S, (Hq + 2 * Hk) * D) and dy.dtype == dtype and db.dtype == dtype
+    assert_close(dy, expected, dtype, "elementwise")
+    assert_close(db, dy.double().sum(0), dtype, "norm")
+    if missing:
+        column = {"dq": slice(0, Hq * D), "dv": slice((Hq + Hk) * D, None)}[missing]
+        assert (dy[:, column] == 0).all() and (db[column] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -227,22 +227,6 @@ def _sum_parts_kernel(parts_ptr, sums_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _column_parts_kernel(x_ptr, parts_ptr, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """parts[p, cols] = the float32 sum of x[rows, cols] over row blocks p, p + P, ... (P programs
-    along axis 1): column_sums' first pass, whose partial rows _sum_parts_kernel adds up."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    part = tl.program_id(1)
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for start in range(part * BLOCK_M, M, tl.num_programs(1) * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
-        acc += tl.load(ptrs, mask=(rows < M)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(parts_ptr + part * N + cols, tl.sum(acc, axis=0), mask=col_ok)
-
-
-@triton.jit
 def _norm_fwd_looped_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, M, N, stride_xm, stride_ym, eps, offset,
     RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
@@ -446,33 +430,13 @@ _launch_bwd_looped = runtime.FastLaunch(_norm_bwd_looped_kernel)
 _launch_ln_coef = runtime.FastLaunch(_ln_bwd_coef_kernel)
 _launch_ln_cols = runtime.FastLaunch(_ln_bwd_cols_kernel)
 _launch_sum_parts = runtime.FastLaunch(_sum_parts_kernel)
-_launch_column_parts = runtime.FastLaunch(_column_parts_kernel)
 # 16 columns a program: twice the programs of 32 read the partial rows faster (docs/norm.md).
 SUM_PARTS_BLOCK_P, SUM_PARTS_BLOCK_N = 64, 16
-# column_sums' first pass: 64 x 128 tiles on 4 warps, about 4 programs an SM (sweep_launch.py column_sums).
-COLUMN_PARTS_BLOCK_M, COLUMN_PARTS_BLOCK_N, COLUMN_PARTS_PER_SM = 64, 128, 4
-
-
-def _fake_column_sums(x, dtype):
-    return x.new_empty((x.shape[1],), dtype=dtype)
-
-
-@runtime.custom_op("column_sums", fake=_fake_column_sums)
-def column_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x (M, N) summed over its rows in float32 and rounded to `dtype`: a bias's gradient (qkv_rope's)
-    in two launches that read x once, where torch's x.sum(0) reads a tall bf16 matrix at a
-    quarter of the bandwidth (docs/norm.md)."""
-    M, N = x.shape
-    if M == 0 or N == 0:
-        return torch.zeros((N,), dtype=dtype, device=x.device)
-    col_blocks = runtime.cdiv(N, COLUMN_PARTS_BLOCK_N)
-    parts_count = max(1, min(runtime.cdiv(M, COLUMN_PARTS_BLOCK_M),
-                             runtime.cdiv(COLUMN_PARTS_PER_SM * runtime.num_sms(x.device.index or 0), col_blocks)))
-    parts = runtime.workspace(x.device, parts_count * N)
-    _launch_column_parts((col_blocks, parts_count), x, parts, M, N, x.stride(0), x.stride(1),
-                         BLOCK_M=COLUMN_PARTS_BLOCK_M, BLOCK_N=COLUMN_PARTS_BLOCK_N, num_warps=4)
-    sums = runtime.empty((N,), dtype, x.device)
-    _launch_sum_parts((runtime.cdiv(N, SUM_PARTS_BLOCK_N), 1), parts, sums, parts_count, N,
+def sum_parts(parts: torch.Tensor, count: int, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sum of `count` float32 partial rows of N at the start of `parts`, as an (N,) tensor of
+    `dtype`: the second pass of column sums taken by row blocks (qkv_rope's bias gradient)."""
+    sums = runtime.empty((N,), dtype, parts.device)
+    _launch_sum_parts((runtime.cdiv(N, SUM_PARTS_BLOCK_N), 1), parts, sums, count, N,
                       BLOCK_P=SUM_PARTS_BLOCK_P, BLOCK_N=SUM_PARTS_BLOCK_N, num_warps=4)
     return sums
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .norm import column_sums
+from .norm import sum_parts
 
 LAYOUTS = ("bhsd", "bshd")
 TABLE_DTYPES = (*runtime.FLOAT_DTYPES, torch.float64)
@@ -139,6 +139,19 @@ FLAT_NUM_WARPS = 4
 
 
 @triton.jit
+def _table_halves(cos_ptr, sin_ptr, c_rows, s_rows, cols, mask, stride_cd, stride_sd, HALF: tl.constexpr):
+    """cos's and sin's two halves in float32: rows at element offsets c_rows and s_rows (one a
+    row), half-row columns `cols`."""
+    c_ptrs = cos_ptr + c_rows[:, None] + cols * stride_cd
+    s_ptrs = sin_ptr + s_rows[:, None] + cols * stride_sd
+    c1 = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptrs + HALF * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptrs + HALF * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotate_rows(
     x_ptr, out_ptr, cos_ptr, sin_ptr, tile, R, S, H,
     stride_xb, stride_xh, stride_ob, stride_oh,
@@ -172,12 +185,7 @@ def _rotate_rows(
     if BLOCK_HALF != HALF:
         mask = mask & (cols < HALF)
 
-    c_ptrs = cos_ptr + c_rows[:, None] + cols * stride_cd
-    s_ptrs = sin_ptr + s_rows[:, None] + cols * stride_sd
-    c1 = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptrs + HALF * stride_cd, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptrs + HALF * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, c_rows, s_rows, cols, mask, stride_cd, stride_sd, HALF)
 
     x_ptrs = x_ptr + x_rows[:, None] + cols
     # Both halves are loaded before either is stored: in place, out_ptr is x_ptr.
@@ -358,15 +366,142 @@ def rope_bwd(dq: torch.Tensor, dk: torch.Tensor | None, cos: torch.Tensor, sin: 
     return [dq_in] if dk is None else [dq_in, dk_in]
 
 
-def _fake_rope_bwd_into(dq, dk, dq_in, dk_in, cos, sin, bshd):
-    return None
+# ---- qkv_rope's backward: the projections' joint gradient in one launch ----
+
+# Programs of QKV_GRAD_TILE_ELEMENTS-element tiles (a block of tokens of one head) on
+# QKV_GRAD_NUM_WARPS warps, about QKV_GRAD_PROGRAMS_PER_SM programs an SM, each looping over the
+# token blocks of its head (scripts/sweep_launch.py qkv_grad).
+QKV_GRAD_TILE_ELEMENTS = 4096
+QKV_GRAD_PROGRAMS_PER_SM = 8
+QKV_GRAD_NUM_WARPS = 4
 
 
-@runtime.custom_op("rope_bwd_into", fake=_fake_rope_bwd_into, mutates_args=("dq_in", "dk_in"))
-def rope_bwd_into(dq: torch.Tensor, dk: torch.Tensor | None, dq_in: torch.Tensor, dk_in: torch.Tensor | None,
-                  cos: torch.Tensor, sin: torch.Tensor, bshd: bool) -> None:
-    """rope_bwd into given tensors (qkv_rope's backward: views of one gradient buffer)."""
-    _launch(dq, dk, dq_in, dk_in, cos, sin, bshd, True)
+@triton.jit
+def _qkv_grad_head(
+    src_ptr, dy_ptr, parts_ptr, part, parts, head, col0, blocks, T, S, N,
+    stride_b, stride_h, stride_s, stride_d, cos_ptr, sin_ptr,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_SRC: tl.constexpr, SUMS: tl.constexpr, BATCH_TABLE: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """Token blocks part, part + parts, ... of one head: its (B, H, S, D) gradient rotated back
+    (ROTATE) or copied into columns [col0, col0 + D) of dy (tokens, N), zeros without a source;
+    with SUMS the column sums of what was stored go to row `part` of parts (float32)."""
+    halves = tl.arange(0, BLOCK_HALF)
+    cols = halves[None, :]
+    col_ok = cols < HALF
+    sum1 = tl.zeros((BLOCK_HALF,), tl.float32)
+    sum2 = tl.zeros((BLOCK_HALF,), tl.float32)
+    for blk in range(part, blocks, parts):
+        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        if INDEX_64:
+            t = t.to(tl.int64)
+        mask = (t < T)[:, None] & col_ok
+        b = t // S
+        pos = t - b * S
+        if HAS_SRC:
+            src = src_ptr + (b * stride_b + head * stride_h + pos * stride_s)[:, None] + cols * stride_d
+            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
+            if ROTATE:
+                c_rows = pos * stride_cs
+                s_rows = pos * stride_ss
+                if BATCH_TABLE:
+                    c_rows += b * stride_cb
+                    s_rows += b * stride_sb
+                c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, c_rows, s_rows, cols, mask, stride_cd,
+                                               stride_sd, HALF)
+                x1, x2 = _rotated(x1, x2, c1, c2, s1, s2, True)
+            y1 = x1.to(dy_ptr.dtype.element_ty)
+            y2 = x2.to(dy_ptr.dtype.element_ty)
+        else:
+            y1 = tl.zeros((BLOCK_T, BLOCK_HALF), dy_ptr.dtype.element_ty)
+            y2 = y1
+        out = dy_ptr + (t * N + col0)[:, None] + cols
+        tl.store(out, y1, mask=mask)
+        tl.store(out + HALF, y2, mask=mask)
+        if SUMS:
+            # The stored (rounded) values: the bias gradient is the column sum of dy as it is.
+            sum1 += tl.sum(y1.to(tl.float32), axis=0)
+            sum2 += tl.sum(y2.to(tl.float32), axis=0)
+    if SUMS:
+        row = parts_ptr + part * N + col0 + halves
+        tl.store(row, sum1, mask=halves < HALF)
+        tl.store(row + HALF, sum2, mask=halves < HALF)
+
+
+@triton.jit
+def _qkv_grad_kernel(
+    dq_ptr, dk_ptr, dv_ptr, dy_ptr, parts_ptr, cos_ptr, sin_ptr, T, S, Hq, Hk, N, blocks,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr, HAS_DQ: tl.constexpr,
+    HAS_DK: tl.constexpr, HAS_DV: tl.constexpr, SUMS: tl.constexpr, BATCH_TABLE: tl.constexpr,
+    INDEX_64: tl.constexpr,
+):
+    """Program (p, h): head h of dy's Hq + 2 Hk heads (q's, k's, v's), token blocks p, p + P, ...
+    of it (P programs along axis 0)."""
+    part = tl.program_id(0)
+    parts = tl.num_programs(0)
+    head = tl.program_id(1)
+    col0 = head * (2 * HALF)
+    if head < Hq:
+        _qkv_grad_head(dq_ptr, dy_ptr, parts_ptr, part, parts, head, col0, blocks, T, S, N,
+                       stride_qb, stride_qh, stride_qs, stride_qd, cos_ptr, sin_ptr,
+                       stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                       HALF, BLOCK_HALF, BLOCK_T, True, HAS_DQ, SUMS, BATCH_TABLE, INDEX_64)
+    elif head < Hq + Hk:
+        _qkv_grad_head(dk_ptr, dy_ptr, parts_ptr, part, parts, head - Hq, col0, blocks, T, S, N,
+                       stride_kb, stride_kh, stride_ks, stride_kd, cos_ptr, sin_ptr,
+                       stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                       HALF, BLOCK_HALF, BLOCK_T, True, HAS_DK, SUMS, BATCH_TABLE, INDEX_64)
+    else:
+        _qkv_grad_head(dv_ptr, dy_ptr, parts_ptr, part, parts, head - Hq - Hk, col0, blocks, T, S, N,
+                       stride_vb, stride_vh, stride_vs, stride_vd, cos_ptr, sin_ptr,
+                       stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+                       HALF, BLOCK_HALF, BLOCK_T, False, HAS_DV, SUMS, BATCH_TABLE, INDEX_64)
+
+
+_launch_qkv_grad = runtime.FastLaunch(_qkv_grad_kernel)
+
+
+def _fake_qkv_rope_grad(dq, dk, dv, x, cos, sin, heads, sums):
+    N = sum(heads) * cos.shape[-1]
+    dy = x.new_empty((x.shape[0] * x.shape[1], N))
+    return [dy, x.new_empty((N,))] if sums else [dy]
+
+
+@runtime.custom_op("qkv_rope_grad", fake=_fake_qkv_rope_grad)
+def qkv_rope_grad(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None, x: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, heads: list[int], sums: bool) -> list[torch.Tensor]:
+    """[dy] or, with `sums`, [dy, db]: the gradient of qkv_rope_fwd's joint product x w^T + b as
+    (tokens, (Hq + 2 Hk) D) in x's dtype, from the (B, H, S, D) gradients of q, k and v (None:
+    zero), q's and k's rotated back, and its column sums (the biases' gradient). One launch reads
+    each gradient once and writes dy once; the sums are per-program partial rows that
+    norm.sum_parts adds up (docs/rope.md)."""
+    B, S = x.shape[:2]
+    D = cos.shape[-1]
+    T, N = B * S, sum(heads) * D
+    dy = runtime.empty((T, N), x.dtype, x.device)
+    if T == 0 or N == 0:
+        return [dy, torch.zeros((N,), dtype=x.dtype, device=x.device)] if sums else [dy]
+    block_half = runtime.next_power_of_2(D // 2)
+    block_t = min(runtime.next_power_of_2(T), max(1, QKV_GRAD_TILE_ELEMENTS // (2 * block_half)))
+    blocks = runtime.cdiv(T, block_t)
+    parts = max(1, min(blocks, runtime.cdiv(QKV_GRAD_PROGRAMS_PER_SM * runtime.num_sms(x.device.index or 0),
+                                            sum(heads))))
+    partials = runtime.workspace(x.device, parts * N) if sums else dy
+    grads = (dq, dk, dv)
+    strides = [s for g in grads for s in ((0, 0, 0, 0) if g is None else g.stride())]
+    cos_strides, sin_strides = _table_strides(cos), _table_strides(sin)
+    _launch_qkv_grad((parts, sum(heads)), *(dy if g is None else g for g in grads), dy, partials, cos, sin, T, S,
+                     heads[0], heads[1], N, blocks, *strides, *cos_strides, *sin_strides, HALF=D // 2,
+                     BLOCK_HALF=block_half, BLOCK_T=block_t, HAS_DQ=dq is not None, HAS_DK=dk is not None,
+                     HAS_DV=dv is not None, SUMS=sums, BATCH_TABLE=cos_strides[0] != 0 or sin_strides[0] != 0,
+                     INDEX_64=runtime.needs_int64(dy, cos, sin, *(g for g in grads if g is not None)),
+                     num_warps=QKV_GRAD_NUM_WARPS)
+    return [dy, sum_parts(partials, parts, N, x.dtype)] if sums else [dy]
 
 
 class RopeFunction(torch.autograd.Function):
@@ -507,36 +642,23 @@ def qkv_rope_bwd(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Ten
                  need_dx: bool, need_dw: bool, need_db: bool):
     """(dx, dw, db) of qkv_rope_fwd, dw and db as (q, k, v) row blocks, from the gradients of its
     (B, H, S, D) outputs (None: zero)."""
-    D = cos.shape[-1]
-    dy = runtime.empty((*x.shape[:2], w.shape[0]), x.dtype, x.device)
-    dy_q, dy_k, dy_v = _heads_of(dy, heads, D)
-    rotated = [(g.transpose(1, 2), out) for g, out in ((dq, dy_q), (dk, dy_k)) if g is not None]
-    if rotated:
-        (g0, out0), (g1, out1) = rotated if len(rotated) == 2 else (rotated[0], (None, None))
-        rope_bwd_into(g0, g1, out0, out1, cos, sin, True)
-    dy2 = dy.view(-1, w.shape[0])
+    grads = qkv_rope_grad(dq, dk, dv, x, cos, sin, list(heads), need_db)
     if runtime.compiling_ahead():
-        if need_db:
-            column_sums(dy2, dy2.dtype)
         return None, None, None
-    for g, out in ((dq, dy_q), (dk, dy_k), (dv, dy_v)):
-        if g is None:
-            out.zero_()
-    if dv is not None:
-        dy_v.copy_(dv.transpose(1, 2))
-    x2 = x.reshape(-1, x.shape[-1])
-    sizes = [h * D for h in heads]
+    dy2, x2 = grads[0], x.reshape(-1, x.shape[-1])
+    sizes = [h * cos.shape[-1] for h in heads]
     dx = (dy2 @ w).view(x.shape) if need_dx else None
     dw = (dy2.mT @ x2).split(sizes) if need_dw else None
-    db = column_sums(dy2, dy2.dtype).split(sizes) if need_db else None
+    db = grads[1].split(sizes) if need_db else None
     return dx, dw, db
 
 
 class QKVRopeFunction(torch.autograd.Function):
     """x's q, k and v projections as one matmul (the weights concatenated), q and k rotated in
     place in its output. Backward writes the rotation's transpose of dq and dk and a copy of dv
-    into one gradient buffer, then one matmul gives dx (no adds of three partial dx) and one the
-    three weights' gradients (row blocks of one result, laid out as the weights)."""
+    into one gradient buffer (qkv_rope_grad, with the biases' gradient), then one matmul gives dx
+    (no adds of three partial dx) and one the three weights' gradients (row blocks of one result,
+    laid out as the weights)."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin):
