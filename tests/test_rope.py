@@ -493,32 +493,62 @@ def test_qkv_rope_is_one_node_and_compiles(device):
         assert_close(g, e.double(), torch.float32, "norm")
 
 
+def _qkv_grad_reference(grads, x, cos, sin, heads):
+    """qkv_rope_grad's dy in float64: q's and k's gradients through the rotation's transpose, v's
+    as they are, zeros for a missing one, token-major in (q, k, v) head order."""
+    B, S = x.shape[:2]
+    D = cos.shape[-1]
+    dq, dk, dv = (torch.zeros(B, h, S, D, dtype=torch.float64, device=x.device) if g is None else g.double()
+                  for g, h in zip(grads, heads))
+    dq, dk = _reference_grads(dq, dk, cos, sin, (dq, dk))  # the transpose (its inputs do not matter)
+    return torch.cat([t.transpose(1, 2).reshape(B * S, -1) for t in (dq, dk, dv)], dim=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("missing", [None, "dq", "dv"])
-def test_qkv_rope_grad_is_the_rotated_back_gradients_and_their_column_sums(device, monkeypatch, dtype, missing):
+@pytest.mark.parametrize("grads_layout,table,D", [("bshd", "batch", 12), ("bhsd", "shared", 80)])
+def test_qkv_rope_grad_is_the_rotated_back_gradients_and_their_column_sums(device, monkeypatch, dtype, missing,
+                                                                           grads_layout, table, D):
     """qkv_rope's backward launch: dy holds q's and k's gradients rotated back and v's copied,
     token-major in (q, k, v) head order, zeros for a missing gradient; db is dy's column sums.
-    Tiles of 2 tokens over 3 x 7 tokens and more blocks than programs (each loops), gradients in
-    (B, H, S, D) read through a transposed view, a per-batch table and D 12 (halves of 6 in
-    blocks of 8)."""
-    monkeypatch.setattr(rope_op, "QKV_GRAD_TILE_ELEMENTS", 32)
-    B, S, Hq, Hk, D = 3, 7, 3, 1, 12
+    Small tiles over 3 x 7 tokens and more blocks than programs (each loops); (B, H, S, D)
+    gradients read through a transposed view of (B, S, H, D) memory or contiguous; a per-batch or
+    shared table; D 12 (halves of 6 in blocks of 8) or 80."""
+    monkeypatch.setattr(rope_op, "QKV_GRAD_TILE_ELEMENTS", 32 if D == 12 else 256)
+    B, S, Hq, Hk = 3, 7, 3, 1
     x = torch.randn(B, S, 5, device=device).to(dtype)
-    grads = {name: torch.randn(B, S, h, D, device=device).to(dtype).transpose(1, 2)
-             for name, h in (("dq", Hq), ("dk", Hk), ("dv", Hk))}
+
+    def grad(h):
+        if grads_layout == "bshd":
+            return torch.randn(B, S, h, D, device=device).to(dtype).transpose(1, 2)
+        return torch.randn(B, h, S, D, device=device).to(dtype)
+    grads = {name: grad(h) for name, h in (("dq", Hq), ("dk", Hk), ("dv", Hk))}
     grads[missing] = None
-    cos, sin = (torch.rand(B, S, D, device=device) * 2 - 1 for _ in range(2))
-    dy, db = rope_op.qkv_rope_grad(grads["dq"], grads["dk"], grads["dv"], x, cos, sin, [Hq, Hk, Hk], True)
-    zeros = {name: torch.zeros(B, h, S, D, device=device) for name, h in (("dq", Hq), ("dk", Hk), ("dv", Hk))}
-    dq, dk, dv = (zeros[name] if grads[name] is None else grads[name].double() for name in ("dq", "dk", "dv"))
-    dq, dk = _reference_grads(dq, dk, cos, sin, (dq, dk))  # the rotation's transpose (its inputs do not matter)
-    expected = torch.cat([t.double().transpose(1, 2).reshape(B * S, -1) for t in (dq, dk, dv)], dim=1)
+    cos, sin = (torch.rand((B, S, D) if table == "batch" else (S, D), device=device) * 2 - 1 for _ in range(2))
+    ordered = [grads[name] for name in ("dq", "dk", "dv")]
+    dy, db = rope_op.qkv_rope_grad(*ordered, x, cos, sin, [Hq, Hk, Hk], True)
     assert dy.shape == (B * S, (Hq + 2 * Hk) * D) and dy.dtype == dtype and db.dtype == dtype
-    assert_close(dy, expected, dtype, "elementwise")
+    assert_close(dy, _qkv_grad_reference(ordered, x, cos, sin, (Hq, Hk, Hk)), dtype, "elementwise")
     assert_close(db, dy.double().sum(0), dtype, "norm")
     if missing:
         column = {"dq": slice(0, Hq * D), "dv": slice((Hq + Hk) * D, None)}[missing]
         assert (dy[:, column] == 0).all() and (db[column] == 0).all()
+
+
+@gpu_only
+def test_qkv_rope_grad_head_offsets_past_2_to_the_31(device):
+    # dq's third head starts past 2^31 elements into its storage (a head stride of 3 * 2^29):
+    # the head's offset must be computed in 64 bits. Only the three heads are touched.
+    B, Hq, Hk, S, D = 1, 3, 1, 4, 8
+    storage = torch.empty(2**30 + (Hq - 1) * 3 * 2**29 + S * D, device=device, dtype=torch.bfloat16)
+    dq = storage.as_strided((B, Hq, S, D), (storage.numel(), 3 * 2**29, D, 1), 2**30)
+    for h in range(Hq):
+        dq[:, h].normal_()
+    dk, dv = (torch.randn(B, Hk, S, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.empty(B, S, 4, device=device, dtype=torch.bfloat16)
+    cos, sin = (torch.rand(S, D, device=device) * 2 - 1 for _ in range(2))
+    (dy,) = rope_op.qkv_rope_grad(dq, dk, dv, x, cos, sin, [Hq, Hk, Hk], False)
+    assert_close(dy, _qkv_grad_reference((dq, dk, dv), x, cos, sin, (Hq, Hk, Hk)), torch.bfloat16, "elementwise")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -432,6 +432,8 @@ _launch_ln_cols = runtime.FastLaunch(_ln_bwd_cols_kernel)
 _launch_sum_parts = runtime.FastLaunch(_sum_parts_kernel)
 # 16 columns a program: twice the programs of 32 read the partial rows faster (docs/norm.md).
 SUM_PARTS_BLOCK_P, SUM_PARTS_BLOCK_N = 64, 16
+
+
 def sum_parts(parts: torch.Tensor, count: int, N: int, dtype: torch.dtype) -> torch.Tensor:
     """The sum of `count` float32 partial rows of N at the start of `parts`, as an (N,) tensor of
     `dtype`: the second pass of column sums taken by row blocks (qkv_rope's bias gradient)."""

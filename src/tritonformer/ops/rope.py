@@ -390,6 +390,9 @@ def _qkv_grad_head(
     halves = tl.arange(0, BLOCK_HALF)
     cols = halves[None, :]
     col_ok = cols < HALF
+    if INDEX_64:
+        head = head.to(tl.int64)
+        cols = cols.to(tl.int64)
     sum1 = tl.zeros((BLOCK_HALF,), tl.float32)
     sum2 = tl.zeros((BLOCK_HALF,), tl.float32)
     for blk in range(part, blocks, parts):
@@ -400,9 +403,9 @@ def _qkv_grad_head(
         b = t // S
         pos = t - b * S
         if HAS_SRC:
-            src = src_ptr + (b * stride_b + head * stride_h + pos * stride_s)[:, None] + cols * stride_d
-            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
+            src = src_ptr + (b * stride_b + head * stride_h + pos * stride_s)[:, None]
+            x1 = tl.load(src + cols * stride_d, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + (cols + HALF) * stride_d, mask=mask, other=0.0).to(tl.float32)
             if ROTATE:
                 c_rows = pos * stride_cs
                 s_rows = pos * stride_ss
