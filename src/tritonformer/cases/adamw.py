@@ -1,6 +1,7 @@
 """Cases of `adamw_step`, AdamW's update of lists of tensors: odd sizes, empty and strided tensors,
 amsgrad, maximize, a learning rate in a tensor and later steps, in every float dtype, for the
-tests; the parameters of the bench e2e models for the benchmark, against torch's fused AdamW."""
+tests; the parameters of the bench e2e models for the benchmark, against torch's fused AdamW (and
+at the e2e model torch's AdamW step under torch.compile)."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def adamw_bench_cases() -> list[BenchCase]:
         count = sum(torch.Size(s).numel() for s in shapes)
         dtype = torch.bfloat16
 
-        def setup(shapes=shapes, dtype=dtype):
+        def setup(shapes=shapes, dtype=dtype, compiled_peer=name == "e2e"):
             device = runtime.DEVICE
             params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
             for p in params:
@@ -128,6 +129,9 @@ def adamw_bench_cases() -> list[BenchCase]:
             start = [p.detach().clone() for p in params]
             ours = AdamW(params, lr=1e-4)
             torch_fused = torch.optim.AdamW(params, lr=1e-4, fused=True) if device == "cuda" else None
+            # torch's recipe for a compiled optimizer (the foreach step traced into inductor's
+            # kernels), for the e2e model's 75 tensors only: its compile grows with the tensor count.
+            torch_compiled = torch.optim.AdamW(params, lr=1e-4) if device == "cuda" and compiled_peer else None
 
             def step(opt):
                 opt.step()
@@ -144,6 +148,7 @@ def adamw_bench_cases() -> list[BenchCase]:
             return Bench(peers.available({
                 "tritonformer": lambda: step(ours),
                 "torch": (lambda: step(torch_fused)) if torch_fused else None,
+                "torch.compile": peers.compiled(step, torch_compiled) if torch_compiled else None,
             }), reference=reference)
 
         # p, g, m, v read; p, m, v written.
