@@ -166,7 +166,7 @@ def qkv_rope_test_cases() -> list[TestCase]:
     cases += [
         case("fp32-bias-batch-table-x-view", torch.float32, 3, 5, 24, 3, 1, 16, bias=True, table=(3,), x_view=True),
         case("bf16-shared-table-mha", torch.bfloat16, 1, 9, 32, 2, 2, 16, table=()),
-        # 140 tokens: the bias gradient's column sums over several row blocks and parts.
+        # bf16 with biases: their gradient is the column sums of the rounded joint gradient.
         case("bf16-bias-2x70x48-3/1x16", torch.bfloat16, 2, 70, 48, 3, 1, 16, bias=True),
         case("bf16-bias-4x2048x896-14/2x64", torch.bfloat16, 4, 2048, 896, 14, 2, 64, bias=True, gpu_only=True),
         case("bf16-2x1024x2048-16/4x128", torch.bfloat16, 2, 1024, 2048, 16, 4, 128, gpu_only=True),
