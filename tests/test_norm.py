@@ -338,4 +338,3 @@ def test_plans_are_per_device():
             b = torch.randn(N, device=x.device, dtype=torch.bfloat16, requires_grad=True)
             dy = torch.randn(64, N, device=x.device, dtype=torch.bfloat16)
             _layer_norm_grads_vs_float64(x, w, b, dy, torch.bfloat16)
-

@@ -485,20 +485,20 @@ def qkv_rope_grad(dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Te
     norm.sum_parts adds up (docs/rope.md)."""
     B, S = x.shape[:2]
     D = cos.shape[-1]
-    T, N = B * S, sum(heads) * D
+    H = sum(heads)
+    T, N = B * S, H * D
     dy = runtime.empty((T, N), x.dtype, x.device)
     if T == 0 or N == 0:
         return [dy, torch.zeros((N,), dtype=x.dtype, device=x.device)] if sums else [dy]
     block_half = runtime.next_power_of_2(D // 2)
     block_t = min(runtime.next_power_of_2(T), max(1, QKV_GRAD_TILE_ELEMENTS // (2 * block_half)))
     blocks = runtime.cdiv(T, block_t)
-    parts = max(1, min(blocks, runtime.cdiv(QKV_GRAD_PROGRAMS_PER_SM * runtime.num_sms(x.device.index or 0),
-                                            sum(heads))))
+    parts = max(1, min(blocks, runtime.cdiv(QKV_GRAD_PROGRAMS_PER_SM * runtime.num_sms(x.device.index or 0), H)))
     partials = runtime.workspace(x.device, parts * N) if sums else dy
     grads = (dq, dk, dv)
     strides = [s for g in grads for s in ((0, 0, 0, 0) if g is None else g.stride())]
     cos_strides, sin_strides = _table_strides(cos), _table_strides(sin)
-    _launch_qkv_grad((parts, sum(heads)), *(dy if g is None else g for g in grads), dy, partials, cos, sin, T, S,
+    _launch_qkv_grad((parts, H), *(dy if g is None else g for g in grads), dy, partials, cos, sin, T, S,
                      heads[0], heads[1], N, blocks, *strides, *cos_strides, *sin_strides, HALF=D // 2,
                      BLOCK_HALF=block_half, BLOCK_T=block_t, HAS_DQ=dq is not None, HAS_DK=dk is not None,
                      HAS_DV=dv is not None, SUMS=sums, BATCH_TABLE=cos_strides[0] != 0 or sin_strides[0] != 0,
