@@ -226,8 +226,11 @@ def _loss_and_grad_kernel(
                                                    TANH_APPROX)
         loss = _row_loss(m, log_s, mean_below_max, x_t, label_smoothing, z_loss, HAS_SMOOTHING, HAS_Z_LOSS)
         g = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
-        for start in tl.range(0, V, CHUNK, num_stages=STAGES):
-            offs = start + cols
+        # Back from the row's end: the chunks the statistics read last may still be in L2
+        # (docs/cross_entropy.md).
+        last = tl.cdiv(V, CHUNK) - 1
+        for i in tl.range(0, last + 1, num_stages=STAGES):
+            offs = (last - i) * CHUNK + cols
             mask = offs < V
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             dx = _grad_block(x, offs, t, m, log_s, g, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING,
