@@ -1,7 +1,10 @@
 """Where the patched model's warm-up goes: each Triton compile (or disk-cache load) and each
-autotune, timed, for the first training steps of bench e2e's model. On the GPU machine:
+tuning (runtime.TunedLauncher's timing of its candidates, Triton's autotuner), timed, for the
+first training steps of a bench e2e model, stepped by tritonformer.optim.AdamW as bench e2e's
+tritonformer stack does. On the GPU machine:
 
-    python scripts/profile_warmup.py [--steps 3] [--cold] [--layers 8]
+    python scripts/profile_warmup.py [--model e2e|smollm2-135m|qwen2.5-0.5b|qwen3-moe] [--steps 3]
+        [--cold] [--layers N]
 
 --cold: a fresh, empty TRITON_CACHE_DIR, so that every kernel compiles.
 """
@@ -19,7 +22,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="training steps timed")
     parser.add_argument("--cold", action="store_true", help="start from an empty Triton cache")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model")
+    parser.add_argument("--model", default="e2e", help="a bench e2e model name (bench.e2e.MODELS)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
     args = parser.parse_args()
     if args.cold:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
@@ -30,7 +34,8 @@ def main() -> None:
     from triton import knobs
     from triton.runtime import autotuner
 
-    from tritonformer.bench.e2e import FULL
+    from tritonformer import runtime
+    from tritonformer.bench.e2e import MODELS, make_model, make_optimizer
 
     compile_s = collections.defaultdict(float)
     compile_n = collections.Counter()
@@ -64,19 +69,24 @@ def main() -> None:
         return out
 
     autotuner.Autotuner.run = timed_run
+    original_time = runtime.TunedLauncher._time_candidates
 
-    import transformers
+    def timed_candidates(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = original_time(self, *a, **kw)
+        tune_s[self.autotuned.fn.__name__] += time.perf_counter() - t0
+        return out
+
+    runtime.TunedLauncher._time_candidates = timed_candidates
 
     from tritonformer.integrations import hf
 
-    sizes = dict(FULL, layers=args.layers)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["intermediate"],
-        num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"], num_key_value_heads=sizes["kv_heads"])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda", torch.bfloat16)
+    sizes = dict(MODELS[args.model])
+    if args.layers:
+        sizes["layers"] = args.layers
+    model = make_model(sizes, torch.device("cuda"), torch.bfloat16)
     hf.patch(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_optimizer("tritonformer", model)
     data = torch.randint(0, sizes["vocab"], (args.steps, sizes["batch"], sizes["seq"]), device="cuda")
     t_all = time.perf_counter()
     for step in range(args.steps):
@@ -101,7 +111,7 @@ def main() -> None:
     print("compiles in time order, s from the first step's start (thread):")
     for t0, t1, name, thread in sorted(timeline):
         print(f"  {t0 - t_all:6.2f} .. {t1 - t_all:6.2f}  {name:36s} {thread}")
-    print("autotune per kernel (compiles included), s:")
+    print("tuning per kernel (Triton's autotuner: compiles included; TunedLauncher: timing alone), s:")
     for name, s in sorted(tune_s.items(), key=lambda kv: -kv[1]):
         print(f"  {name:40s} {s:6.2f}")
     sys.stdout.flush()

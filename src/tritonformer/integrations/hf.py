@@ -84,8 +84,9 @@ from ..ops.swiglu import swiglu, swiglu_mlp
 
 ATTENTION_NAME = "tritonformer"
 logger = logging.getLogger("tritonformer")
-# The most memory a first step's warm-up may take for stand-ins of one layer's experts.
-WARM_EXPERTS_MAX_BYTES = 2**30
+# The most memory a first step's warm-up may take for one layer's experts' weight gradients (the
+# Qwen3-30B-A3B shape's 1.2 GB fit; docs/moe.md, "Warm-up").
+WARM_EXPERTS_MAX_BYTES = 2**31
 IGNORE_INDEX = -100
 
 
@@ -568,27 +569,29 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         runtime.warm(moe_op.moe_route, activation(batch * seq, router.num_experts), router.top_k,
                      **_route_options(router, family))
     # _experts_forward's call, routed tokens of the batch to expert 0 (the kernels depend on shapes
-    # and dtypes only); its stand-ins (weights, their gradients) are a layer's experts again, so
-    # large or sharded experts compile on the first step instead.
+    # and dtypes only). The experts' weights are too large for stand-ins: the warm-up takes them
+    # as they are (compile-only launches read nothing), and only their gradients take memory, so
+    # sharded experts, or ones whose gradients pass WARM_EXPERTS_MAX_BYTES, compile on the first step.
     experts = getattr(layer.mlp, "experts", None)
-    if (family.moe and experts is not None and _runs_moe_experts(experts, dtype)
-            and not _is_sharded(experts.gate_up_proj)
-            and 3 * experts.gate_up_proj.numel() * experts.gate_up_proj.element_size() <= WARM_EXPERTS_MAX_BYTES):
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    weights = [getattr(experts, name, None) for name in names]
+    warm_experts = (family.moe and experts is not None and not any(_is_sharded(w) for w in weights if w is not None)
+                    and sum(w.numel() * w.element_size() for w in weights if w is not None and w.requires_grad)
+                    <= WARM_EXPERTS_MAX_BYTES)
+    aliases = [None if w is None else w.detach().requires_grad_(w.requires_grad) for w in weights]
+    if warm_experts and _runs_moe_experts(experts, dtype):
         k = config.num_experts_per_tok
         routing = torch.float32 if family.float32_routing else dtype
         runtime.warm(moe_experts, activation(batch * seq, hidden_size),
                      torch.zeros(batch * seq, k, dtype=torch.long, device=device),
                      torch.empty(batch * seq, k, dtype=routing, device=device, requires_grad=True),
-                     like(experts.gate_up_proj), like(experts.down_proj))
-    elif (family.moe and experts is not None and _runs_gpt_oss_experts(experts, dtype)
-          and not _is_sharded(experts.gate_up_proj)
-          and 3 * experts.gate_up_proj.numel() * experts.gate_up_proj.element_size() <= WARM_EXPERTS_MAX_BYTES):
+                     aliases[0], aliases[2])
+    elif warm_experts and _runs_gpt_oss_experts(experts, dtype):
         k = config.num_experts_per_tok
         runtime.warm(gpt_oss_experts, activation(batch * seq, hidden_size),
                      torch.zeros(batch * seq, k, dtype=torch.long, device=device),
                      torch.empty(batch * seq, k, dtype=dtype, device=device, requires_grad=True),
-                     *(like(getattr(experts, name)) for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
-                                                                 "down_proj_bias")), experts.alpha, experts.limit)
+                     *aliases, experts.alpha, experts.limit)
 
     target = torch.zeros(batch * seq, dtype=torch.long, device=device)
     # The weight's gradient is a cuBLAS product (no kernel of ours): its stand-in needs none, and

@@ -183,8 +183,10 @@ def _grouped_mm_db_kernel(
     tl.store(db, acc.to(db_ptr.dtype.element_ty), mask=(rk < K)[:, None] & (rn < N)[None, :])
 
 
-_launch_fwd = runtime.TunedLauncher(_grouped_mm_kernel)
-_launch_db = runtime.TunedLauncher(_grouped_mm_db_kernel)
+# Kernels of 0.4-1 ms: 5 + 20 ms of timing a candidate still takes 20-50 samples, and a first MoE
+# step's six keys tuned in 5 s at 10 + 40 (docs/moe.md, "Warm-up").
+_launch_fwd = runtime.TunedLauncher(_grouped_mm_kernel, tuning_ms=(5, 20))
+_launch_db = runtime.TunedLauncher(_grouped_mm_db_kernel, tuning_ms=(5, 20))
 
 
 # Output tiles in grouped order within a group: GROUP_M rows of tiles share b's columns in L2.
