@@ -88,6 +88,8 @@ def test_patched_model_gives_the_same_logits_loss_and_gradients(family, device, 
     # q, k, v and rope as one node a layer, where the family's attention forward is Llama's.
     nodes = graph_nodes(out.loss)
     assert nodes.count("QKVRopeFunctionBackward") == (2 if hf.FAMILIES[family].qkv_rope else 0)
+    # Elsewhere rope is apply_rope, a node a layer (GPT-OSS's half-width tables widened for it).
+    assert nodes.count("RopeFunctionBackward") == (0 if hf.FAMILIES[family].qkv_rope else 2)
     # The routers through moe_route, one node a layer.
     assert nodes.count("MoERouteFunctionBackward") == (2 if hf.FAMILIES[family].moe else 0)
     # Both residual adds of each layer: into post_attention_layernorm, and into the next layer's

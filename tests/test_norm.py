@@ -104,6 +104,18 @@ def test_modules_load_state_dicts_and_match(device):
     assert_close(rms(x), norm.rms_norm_reference(x.double(), rms.weight.double(), 1e-5), torch.float32)
     gemma = tnn.RMSNorm(32, offset=1.0).to(device)
     assert_close(gemma(x), norm.rms_norm_reference(x.double(), gemma.weight.double(), 1e-6, 1.0), torch.float32)
+    # GPT-OSS's: a float32 weight on bf16 activations, multiplied before the one rounding, as
+    # GptOssRMSNorm computes it (the result in x's dtype).
+    gpt_oss = tnn.RMSNorm(32, round_before_weight=False).to(device)
+    gpt_oss.load_state_dict({"weight": torch.randn(32)})
+    xb = x.bfloat16()
+    xf = xb.float()
+    expected = (gpt_oss.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).bfloat16()
+    out = gpt_oss(xb)
+    assert out.dtype == torch.bfloat16 and "round_before_weight=False" in repr(gpt_oss)
+    assert_close(out, expected, torch.bfloat16)
+    with pytest.raises(TypeError, match="round_before_weight"):
+        tritonformer.rms_norm(x, rms.weight, 1e-6, 0.0, "no")
 
     ln = tnn.LayerNorm(32).to(device)
     torch_ln = torch.nn.LayerNorm(32).to(device)

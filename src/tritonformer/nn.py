@@ -40,20 +40,24 @@ class Linear(torch.nn.Linear):
 
 class RMSNorm(torch.nn.Module):
     """HuggingFace's LlamaRMSNorm (same `weight` parameter and `variance_epsilon` attribute, so
-    its state_dict loads); `offset=1.0` gives GemmaRMSNorm, whose weight starts at zero."""
+    its state_dict loads); `offset=1.0` gives GemmaRMSNorm, whose weight starts at zero;
+    `round_before_weight=False` GptOssRMSNorm (the weight multiplied in float32, then rounded)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None,
+                 round_before_weight: bool = True):
         super().__init__()
         init = torch.zeros if offset else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.offset = offset
+        self.round_before_weight = round_before_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon, self.offset)
+        return rms_norm(x, self.weight, self.variance_epsilon, self.offset, self.round_before_weight)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}"
+        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}"
+                + ("" if self.round_before_weight else ", round_before_weight=False"))
 
 
 class SwiGLUMLP(torch.nn.Module):

@@ -16,14 +16,15 @@ from . import peers
 
 def _norm_test_cases(rms: bool) -> list[TestCase]:
     def case(id, shape, dtype, weight=True, bias=True, offset=0.0, transpose=False, scale=1.0, shift=0.0,
-             gpu_only=False, tolerance=None, compare=None):
+             gpu_only=False, tolerance=None, compare=None, round_before_weight=True, weight_dtype=None):
         def make(device):
             n = shape[-1]
             x = torch.randn(shape[::-1] if transpose else shape, device=device) * scale + shift
             x = (x.mT if transpose else x).to(dtype).requires_grad_(True)
-            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
+            w = 1 + 0.5 * torch.randn(n, device=device) if weight else None
+            w = w.to(weight_dtype or dtype).requires_grad_(True) if weight else None
             if rms:
-                return (x, w), {"eps": 1e-6, "offset": offset}
+                return (x, w), {"eps": 1e-6, "offset": offset, "round_before_weight": round_before_weight}
             b = torch.randn(n, device=device).to(dtype).requires_grad_(True) if bias else None
             return (x, w, b), {"eps": 1e-5}
         return TestCase(id, make, dtype, gpu_only=gpu_only, tolerance=tolerance, compare=compare)
@@ -49,6 +50,11 @@ def _norm_test_cases(rms: bool) -> list[TestCase]:
     ]
     if rms:
         cases += [case(f"{short_dtype(dt)}-gemma-9x300", (9, 300), dt, offset=1.0) for dt in runtime.FLOAT_DTYPES]
+        # GPT-OSS's norm multiplies before rounding; its checkpoints keep the weight in float32.
+        cases += [case(f"{short_dtype(dt)}-gpt-oss-9x300", (9, 300), dt, round_before_weight=False)
+                  for dt in runtime.FLOAT_DTYPES]
+        cases += [case(f"{short_dtype(dt)}-gpt-oss-fp32-weight-5x{FUSED_MAX_N + 3}", (5, FUSED_MAX_N + 3), dt,
+                       round_before_weight=False, weight_dtype=torch.float32) for dt in (torch.float16, torch.bfloat16)]
     else:
         cases += [
             case("fp32-weight-only", (6, 40), torch.float32, bias=False),

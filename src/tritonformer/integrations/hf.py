@@ -36,8 +36,9 @@ What is swapped, per family (FAMILIES):
   default, skips that check);
 - mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GPT-OSS): the router runs
   `moe_route` after HF's logits product (GPT-OSS's: softmax over the top k of biased logits), the
-  experts module `moe_experts` (GPT-OSS's `gpt_oss_experts`; its RMSNorm, rope, attention with
-  sinks and decoder layer stay HF's)
+  experts module `moe_experts` (GPT-OSS's `gpt_oss_experts`; its RMSNorm, which multiplies
+  before rounding, its rope of half-width tables and its attention with sinks are ours too, its
+  decoder layer stays HF's)
   (experts_implementation="tritonformer", registered on import); with router logits asked for,
   HF's load-balancing loss joins the fused loss below;
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
@@ -96,12 +97,19 @@ class Family:
     def __init__(self, name: str, prefix: str, norm_eps: str = "variance_epsilon", norm_offset: float = 0.0,
                  swiglu_mlp: bool = True, qkv_rope: bool = True, sliding_window: str | None = None,
                  add_norm: bool = True, moe: bool = False, float32_routing: bool = False, norm: bool = True,
-                 rope: bool = True, router_scoring: str = "softmax", qk_norm_after_transpose: bool = False):
+                 rope: bool = True, router_scoring: str = "softmax", qk_norm_after_transpose: bool = False,
+                 norm_round_before_weight: bool = True, rope_half_tables: bool = False):
         self.name, self.prefix = name, prefix
-        # norm, rope: whether the family's RMSNorm and its apply_rotary_pos_emb are the ones ours
-        # compute (GPT-OSS's are not: the weight multiplied before the cast, rotation by halves of
-        # half-width tables).
+        # norm, rope: whether the family's RMSNorm and its apply_rotary_pos_emb run ours.
         self.norm, self.rope = norm, rope
+        # norm_round_before_weight: rms_norm's; False for GPT-OSS's norm, which multiplies by the
+        # weight before it rounds (add_rms_norm, the fused add, rounds first: not for such a family).
+        if not norm_round_before_weight and add_norm:
+            raise ValueError(f"{name}: a norm that multiplies before rounding has no fused residual add")
+        self.norm_round_before_weight = norm_round_before_weight
+        # rope_half_tables: the rotary module makes cos and sin half the head width, each half of
+        # q and k rotated by the same table (GPT-OSS's): widened to ours once a positions tensor.
+        self.rope_half_tables = rope_half_tables
         # router_scoring: moe_route's scoring of the family's router.
         self.router_scoring = router_scoring
         # moe: the MLP of (some) layers is a mixture of experts whose experts module takes HF's
@@ -154,10 +162,11 @@ FAMILIES = {
     # OLMoE normalises the whole q and k projections between them and rope.
     "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True, sliding_window="config"),
     # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts),
-    # attention (with sinks) and loss are ours; its norms, rope and decoder layer (the MLP returns
-    # the router's scores too) stay HF's (docs/moe.md, "GPT-OSS").
-    "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True, norm=False,
-                      rope=False, router_scoring="topk_softmax", sliding_window="module"),
+    # attention (with sinks), norms, rope and loss are ours; its decoder layer (the MLP returns the
+    # router's scores too) stays HF's (docs/moe.md, "GPT-OSS").
+    "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True,
+                      router_scoring="topk_softmax", sliding_window="module", norm_round_before_weight=False,
+                      rope_half_tables=True),
 }
 
 
@@ -186,7 +195,8 @@ def _norm_forward(family: Family):
             fused = self.__dict__.pop(FUSED_NORM, None)
             if fused is not None and fused[0] is hidden_states:
                 return fused[1]
-        return rms_norm(hidden_states, self.weight, getattr(self, family.norm_eps), family.norm_offset)
+        return rms_norm(hidden_states, self.weight, getattr(self, family.norm_eps), family.norm_offset,
+                        family.norm_round_before_weight)
     return forward
 
 
@@ -425,9 +435,16 @@ def _wrap_packed_sequence_check() -> None:
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
-def _rotary_forward(hf_forward):
+def _rotary_forward(hf_forward, family: Family):
     """The rotary embedding's forward, keeping its (cos, sin) for our positions tensor while its
-    inverse frequencies stay the same tensor (rope types whose frequencies never change)."""
+    inverse frequencies stay the same tensor (rope types whose frequencies never change); half-width
+    tables (family.rope_half_tables) widened to the head width, as apply_rope takes them."""
+
+    def tables_of(self, x, position_ids, *args, **kwargs):
+        cos, sin = hf_forward(self, x, position_ids, *args, **kwargs)
+        if family.rope_half_tables and family.rope:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
 
     @functools.wraps(hf_forward)
     def forward(self, x, position_ids, *args, **kwargs):
@@ -435,7 +452,7 @@ def _rotary_forward(hf_forward):
         if (args or kwargs or torch.compiler.is_compiling()
                 or getattr(self, "rope_type", None) not in decoding.STATIC_ROPE_TYPES
                 or position_ids is not _default_positions_like(position_ids)):
-            return hf_forward(self, x, position_ids, *args, **kwargs)
+            return tables_of(self, x, position_ids, *args, **kwargs)
         key = (x.dtype, x.device, self.inv_freq._version, self.attention_scaling)
         # One entry per positions tensor (per sequence length), kept while the model lives: a
         # CUDA graph of a step at one length reads its tables at their addresses even after
@@ -444,7 +461,7 @@ def _rotary_forward(hf_forward):
         cached = tables.get(id(position_ids))
         if cached is not None and cached[0] is position_ids and cached[1] is self.inv_freq and cached[2] == key:
             return cached[3]
-        out = hf_forward(self, x, position_ids)
+        out = tables_of(self, x, position_ids)
         tables[id(position_ids)] = (position_ids, self.inv_freq, key, out)
         return out
 
@@ -457,6 +474,15 @@ def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     if unsqueeze_dim not in layouts:
         raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
     return apply_rope(q, k, cos, sin, layout=layouts[unsqueeze_dim])
+
+
+def _apply_rotary_pos_emb_half_tables(q, k, cos, sin, unsqueeze_dim=1):
+    """_apply_rotary_pos_emb for a family whose rotary module makes half-width tables: a patched
+    model's come widened (_rotary_forward), an unpatched model of the family (its module-level
+    function is this one too) hands them as HF made them."""
+    if 2 * cos.shape[-1] == q.shape[-1]:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
 def _shifted_labels(labels, shift_labels, ignore_index):
@@ -510,7 +536,8 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     x = activation(batch, seq, hidden_size)
     norm = layer.input_layernorm
     if family.norm:
-        runtime.warm(rms_norm, x, like(norm.weight), getattr(norm, family.norm_eps), family.norm_offset)
+        runtime.warm(rms_norm, x, like(norm.weight), getattr(norm, family.norm_eps), family.norm_offset,
+                     family.norm_round_before_weight)
     norm = layer.post_attention_layernorm
     if family.add_norm:
         runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), like(norm.weight),
@@ -529,7 +556,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
         if type(norm) is family.cls("RMSNorm"):
             shape = (batch, seq, n, head_dim) if norm.weight.numel() == head_dim else (batch, seq, n * head_dim)
             runtime.warm(rms_norm, activation(*shape), like(norm.weight), getattr(norm, family.norm_eps),
-                         family.norm_offset)
+                         family.norm_offset, family.norm_round_before_weight)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     if family.qkv_rope and all(_is_plain_linear(p) for p in projections):
         runtime.warm(qkv_rope, x, *(like(p.weight) for p in projections), cos, sin, *(like(p.bias) for p in projections))
@@ -818,7 +845,8 @@ def _patch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
         return
     if model is not None:
         _ROPE_USERS.setdefault(family.name, weakref.WeakSet()).add(model)
-    _set(family.module, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
+    _set(family.module, "apply_rotary_pos_emb",
+         _apply_rotary_pos_emb_half_tables if family.rope_half_tables else _apply_rotary_pos_emb)
 
 
 def _unpatch_rope(family: Family, model: torch.nn.Module | None = None) -> None:
@@ -843,7 +871,7 @@ def _replacements(family: Family) -> dict[type, object]:
         forwards[cls("DecoderLayer")] = _decoder_layer_forward(_hf_forward(cls("DecoderLayer")), family)
     if family.moe:
         forwards[cls("TopKRouter")] = _router_forward(_hf_forward(cls("TopKRouter")), family)
-    forwards[cls("RotaryEmbedding")] = _rotary_forward(_hf_forward(cls("RotaryEmbedding")))
+    forwards[cls("RotaryEmbedding")] = _rotary_forward(_hf_forward(cls("RotaryEmbedding")), family)
     forwards[cls("ForCausalLM")] = _causal_lm_forward(_hf_forward(cls("ForCausalLM")), family)
     return forwards
 
@@ -946,8 +974,8 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
     Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
     twice is harmless. attention=False keeps the model's attention implementation, and so does a
     head dim the attention kernels do not take (with a warning). MoE models' experts run
-    moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, is ours, its norms and
-    rope stay HF's).
+    moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, its norms and its rope
+    are ours, its decoder layer HF's).
 
     weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
     projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,

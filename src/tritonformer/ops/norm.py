@@ -443,15 +443,15 @@ def sum_parts(parts: torch.Tensor, count: int, N: int, dtype: torch.dtype) -> to
     return sums
 
 
-def _flags(rms: bool, weight, bias, offset: float) -> dict:
+def _flags(rms: bool, weight, bias, round_xhat: bool) -> dict:
     # LlamaRMSNorm rounds the normalized value to the input dtype before the weight multiply;
-    # the Gemma variant (offset 1) and LayerNorm multiply in float32 and round once.
-    return dict(RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ROUND_XHAT=rms and offset == 0.0)
+    # the Gemma (offset 1) and GPT-OSS variants and LayerNorm multiply in float32 and round once.
+    return dict(RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None, ROUND_XHAT=round_xhat)
 
 
 @runtime.planned
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-             offset: float, rms: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+             offset: float, rms: bool, round_xhat: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, stats): stats holds rstd per row, then (layer_norm) the mean per row, in one buffer:
     one allocation less on a host path where each costs microseconds. The in-register launch is
     planned (runtime.planned): at 16384 x 4096 the H100 machine's host otherwise takes longer
@@ -463,7 +463,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     stats = runtime.empty((M if rms else 2 * M,), torch.float32, x.device)
     if x.numel() == 0:
         return y, stats
-    flags = _flags(rms, weight, bias, offset)
+    flags = _flags(rms, weight, bias, round_xhat)
     w, b = _or(weight, x_rows), _or(bias, x_rows)
     if N <= FUSED_MAX_N:
         entry, grid, scalars = _fwd_in_registers(x_rows, None, None, w, b, y, stats, eps, offset, flags)
@@ -475,7 +475,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     return y, stats
 
 
-def _replay_fwd(stats_len, entry, grid, scalars, x, weight, bias, eps, offset, rms, out_dtype):
+def _replay_fwd(stats_len, entry, grid, scalars, x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
     """The in-register forward, planned: (y, stats) as norm_fwd returns them."""
     y = runtime.empty(x.shape, out_dtype, x.device)
     stats = runtime.empty((stats_len,), torch.float32, x.device)
@@ -509,7 +509,7 @@ def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     stats = runtime.empty((x_rows.shape[0],), torch.float32, x.device)
     if x.numel():
         entry, grid, scalars = _fwd_in_registers(x_rows, res_rows, h, _or(weight, x_rows), x_rows, y, stats, eps,
-                                                 offset, _flags(True, weight, None, offset))
+                                                 offset, _flags(True, weight, None, offset == 0.0))
         if entry is not None and runtime.starts_as(x_rows, x, res_rows, residual):
             runtime.keep_plan(functools.partial(_replay_add_norm_fwd, entry, grid, scalars))
     return y, h, stats
@@ -525,7 +525,7 @@ def _replay_add_norm_fwd(entry, grid, scalars, x, residual, weight, eps, offset,
 
 @runtime.planned
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             stats: torch.Tensor, offset: float, rms: bool, sums_dtype: torch.dtype,
+             stats: torch.Tensor, offset: float, rms: bool, round_xhat: bool, sums_dtype: torch.dtype,
              dres: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, sums): sums holds dw then db (those that exist) as rows of `sums_dtype` (summed in
     float32). dres, when given, is added into dx (rows up to FUSED_MAX_N). Planned as norm_fwd."""
@@ -547,7 +547,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
         return dx, sums.to(sums_dtype)
     block_m, block_n, num_warps, per_sm = _bwd_launch_shape(N, rms)
     programs = max(1, min(M, runtime.num_sms(x.device.index or 0) * (1 if looped else per_sm)))
-    flags = _flags(rms, weight, bias, offset)
+    flags = _flags(rms, weight, bias, round_xhat)
     if looped:
         # dw and db partial rows in one buffer, zeroed: the looped kernel accumulates into them.
         parts = torch.zeros((n_params, programs, N), dtype=torch.float32, device=x.device)
@@ -578,7 +578,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
 
 
 def _replay_bwd_in_registers(programs, entry, scalars, sum_entry, sum_grid,
-                             dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
+                             dy, x, weight, bias, stats, offset, rms, round_xhat, sums_dtype, dres=None):
     """The in-register backward, planned: (dx, sums) as norm_bwd returns them."""
     n_params, N = (weight is not None) + (bias is not None), x.shape[-1]
     dx = runtime.empty(x.shape, x.dtype, x.device)
@@ -640,7 +640,7 @@ def _split_buffers(like, M, N, n_params, groups, blocks) -> tuple[torch.Tensor, 
 
 
 def _replay_ln_split(n_params, groups, blocks, coef_entry, coef_grid, coef_scalars, cols_entry, cols_scalars,
-                     dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
+                     dy, x, weight, bias, stats, offset, rms, round_xhat, sums_dtype, dres=None):
     """The split backward, planned: (dx, sums) as norm_bwd returns them (float32 sums)."""
     M, N = coef_scalars[0], coef_scalars[1]
     dx = runtime.empty(x.shape, x.dtype, x.device)
@@ -656,7 +656,7 @@ def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     return t if t is not None else placeholder
 
 
-def _fake_norm_fwd(x, weight, bias, eps, offset, rms, out_dtype):
+def _fake_norm_fwd(x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows if rms else 2 * rows,), dtype=torch.float32)
 
@@ -667,7 +667,7 @@ def _fake_add_norm_fwd(x, residual, weight, eps, offset, out_dtype):
             x.new_empty((rows,), dtype=torch.float32))
 
 
-def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms, sums_dtype, dres=None):
+def _fake_norm_bwd(dy, x, weight, bias, stats, offset, rms, round_xhat, sums_dtype, dres=None):
     n_params = (weight is not None) + (bias is not None)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((n_params, x.shape[-1]), dtype=sums_dtype))
@@ -680,23 +680,23 @@ add_norm_fwd = runtime.custom_op("add_norm_fwd", fake=_fake_add_norm_fwd)(add_no
 
 class NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, offset, rms, out_dtype):
-        y, stats = norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)
+    def forward(ctx, x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
+        y, stats = norm_fwd(x, weight, bias, eps, offset, rms, round_xhat, out_dtype)
         ctx.save_for_backward(x, weight, bias, stats)
-        ctx.offset, ctx.rms = offset, rms
+        ctx.offset, ctx.rms, ctx.round_xhat = offset, rms, round_xhat
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, stats = ctx.saved_tensors
         sums_dtype = _sums_dtype(weight, bias)
-        dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, sums_dtype)
+        dx, sums = norm_bwd(dy, x, weight, bias, stats, ctx.offset, ctx.rms, ctx.round_xhat, sums_dtype)
         if weight is None and bias is None:
-            return dx, None, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None
         rows = sums.unbind(0)
         dw = rows[0].to(weight.dtype) if weight is not None else None
         db = rows[-1].to(bias.dtype) if bias is not None else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _sums_dtype(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
@@ -722,14 +722,15 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight, stats = ctx.saved_tensors
-        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, _sums_dtype(weight, None), dh)
+        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, ctx.offset == 0.0, _sums_dtype(weight, None),
+                            dh)
         return dx, dx, sums[0] if weight is not None else None, None, None, None
 
 
-def _normalize(x, weight, bias, eps, offset, rms, out_dtype):
+def _normalize(x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return runtime.apply(NormFunction, x, weight, bias, eps, offset, rms, out_dtype)
-    return norm_fwd(x, weight, bias, eps, offset, rms, out_dtype)[0]
+        return runtime.apply(NormFunction, x, weight, bias, eps, offset, rms, round_xhat, out_dtype)
+    return norm_fwd(x, weight, bias, eps, offset, rms, round_xhat, out_dtype)[0]
 
 
 def _check_inputs(x, weight, bias, eps):
@@ -748,22 +749,28 @@ def _check_inputs(x, weight, bias, eps):
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
+             round_before_weight: bool = True) -> torch.Tensor:
     """RMSNorm over the last dimension with HuggingFace's semantics.
 
     offset=0 (LlamaRMSNorm): normalize in float32, round to x's dtype, multiply by the weight;
     the result has the promoted dtype of x and the weight. offset=1 (GemmaRMSNorm): multiply
-    by (1 + weight) in float32; the result has x's dtype.
+    by (1 + weight) in float32; the result has x's dtype. round_before_weight=False
+    (GptOssRMSNorm): multiply by the weight in float32 and round once, to x's dtype.
     """
-    return _normalize(x, weight, None, eps, offset, True, _check_rms(x, weight, eps, offset))
+    out_dtype = _check_rms(x, weight, eps, offset, round_before_weight)
+    return _normalize(x, weight, None, eps, offset, True, round_before_weight and offset == 0.0, out_dtype)
 
 
-def _check_rms(x, weight, eps, offset) -> torch.dtype:
+def _check_rms(x, weight, eps, offset, round_before_weight: bool = True) -> torch.dtype:
     """Check rms_norm's arguments; the result's dtype (HF's: see rms_norm)."""
     _check_inputs(x, weight, None, eps)
     if not isinstance(offset, (int, float)):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
-    return torch.promote_types(x.dtype, weight.dtype) if weight is not None and offset == 0 else x.dtype
+    if not isinstance(round_before_weight, bool):
+        raise TypeError(f"round_before_weight must be a bool, got {type(round_before_weight).__name__}")
+    promotes = weight is not None and offset == 0 and round_before_weight
+    return torch.promote_types(x.dtype, weight.dtype) if promotes else x.dtype
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -795,15 +802,15 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
     """`torch.nn.functional.layer_norm` over the last dimension, computed in float32; the result
     has x's dtype."""
     _check_inputs(x, weight, bias, eps)
-    return _normalize(x, weight, bias, eps, 0.0, False, x.dtype)
+    return _normalize(x, weight, bias, eps, 0.0, False, False, x.dtype)
 
 
-def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0):
+def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0, round_before_weight=True):
     xf = x.to(torch.float32) if x.dtype != torch.float64 else x
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
         return normed.to(x.dtype)
-    if offset == 0.0:
+    if offset == 0.0 and round_before_weight:
         return weight * normed.to(x.dtype)
     return (normed * (offset + weight.to(normed.dtype))).to(x.dtype)
 
