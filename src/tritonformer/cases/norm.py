@@ -135,14 +135,16 @@ def layer_norm_bench_cases() -> list[BenchCase]:
 
 
 def add_rms_norm_test_cases() -> list[TestCase]:
-    def case(id, shape, dtype, weight=True, offset=0.0, transposed_residual=False, gpu_only=False):
+    def case(id, shape, dtype, weight=True, offset=0.0, transposed_residual=False, gpu_only=False,
+             round_before_weight=True, weight_dtype=None):
         def make(device):
             n = shape[-1]
             x = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
             res = torch.randn(shape[::-1], device=device).mT if transposed_residual else torch.randn(shape, device=device)
             res = res.to(dtype).requires_grad_(True)
-            w = (1 + 0.5 * torch.randn(n, device=device)).to(dtype).requires_grad_(True) if weight else None
-            return (x, res, w), {"eps": 1e-6, "offset": offset}
+            w = 1 + 0.5 * torch.randn(n, device=device) if weight else None
+            w = w.to(weight_dtype or dtype).requires_grad_(True) if weight else None
+            return (x, res, w), {"eps": 1e-6, "offset": offset, "round_before_weight": round_before_weight}
         return TestCase(id, make, dtype, gpu_only=gpu_only)
 
     cases = []
@@ -152,10 +154,13 @@ def add_rms_norm_test_cases() -> list[TestCase]:
             case(f"{name}-2x3x1000", (2, 3, 1000), dt),
             case(f"{name}-300x64", (300, 64), dt),
             case(f"{name}-gemma-9x300", (9, 300), dt, offset=1.0),
+            case(f"{name}-gpt-oss-9x300", (9, 300), dt, round_before_weight=False),
             case(f"{name}-8192x2048", (8192, 2048), dt, gpu_only=True),
         ]
     cases += [
         case("fp32-no-weight-transposed-residual", (40, 17), torch.float32, weight=False, transposed_residual=True),
+        case("bf16-gpt-oss-fp32-weight-6x200", (6, 200), torch.bfloat16, round_before_weight=False,
+             weight_dtype=torch.float32),
         case(f"fp32-looped-2x{FUSED_MAX_N + 5}", (2, FUSED_MAX_N + 5), torch.float32),
         case("fp32-empty", (0, 9), torch.float32),
     ]

@@ -37,8 +37,8 @@ What is swapped, per family (FAMILIES):
 - mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GPT-OSS): the router runs
   `moe_route` after HF's logits product (GPT-OSS's: softmax over the top k of biased logits), the
   experts module `moe_experts` (GPT-OSS's `gpt_oss_experts`; its RMSNorm, which multiplies
-  before rounding, its rope of half-width tables and its attention with sinks are ours too, its
-  decoder layer stays HF's)
+  before rounding, with the residual adds, its rope of half-width tables and its attention with
+  sinks are ours too)
   (experts_implementation="tritonformer", registered on import); with router logits asked for,
   HF's load-balancing loss joins the fused loss below;
 - the loss: in training, with labels, and with a plain nn.Linear lm_head whose weight is whole
@@ -103,9 +103,7 @@ class Family:
         # norm, rope: whether the family's RMSNorm and its apply_rotary_pos_emb run ours.
         self.norm, self.rope = norm, rope
         # norm_round_before_weight: rms_norm's; False for GPT-OSS's norm, which multiplies by the
-        # weight before it rounds (add_rms_norm, the fused add, rounds first: not for such a family).
-        if not norm_round_before_weight and add_norm:
-            raise ValueError(f"{name}: a norm that multiplies before rounding has no fused residual add")
+        # weight before it rounds.
         self.norm_round_before_weight = norm_round_before_weight
         # rope_half_tables: the rotary module makes cos and sin half the head width, each half of
         # q and k rotated by the same table (GPT-OSS's): widened to ours once a positions tensor.
@@ -120,7 +118,8 @@ class Family:
         self.float32_routing = float32_routing
         self.norm_eps, self.norm_offset, self.swiglu_mlp = norm_eps, norm_offset, swiglu_mlp
         # add_norm: the decoder layer's forward is Llama's pre-norm block (attention, residual
-        # add, post_attention_layernorm, MLP, residual add).
+        # add, post_attention_layernorm, MLP, residual add; GPT-OSS's MLP returns the router's
+        # scores beside its output, which the layer drops).
         self.add_norm = add_norm
         # qkv_rope: the attention module's forward is Llama's (projections, rope, attention,
         # o_proj); sliding_window: where the attention forward (ours or HF's) reads the window it
@@ -162,9 +161,8 @@ FAMILIES = {
     # OLMoE normalises the whole q and k projections between them and rope.
     "olmoe": Family("olmoe", "Olmoe", qkv_rope=False, moe=True, sliding_window="config"),
     # GPT-OSS: its router (softmax over the top k of biased logits), experts (gpt_oss_experts),
-    # attention (with sinks), norms, rope and loss are ours; its decoder layer (the MLP returns the
-    # router's scores too) stays HF's (docs/moe.md, "GPT-OSS").
-    "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, add_norm=False, moe=True,
+    # attention (with sinks), norms, rope and loss are ours (docs/moe.md, "GPT-OSS").
+    "gpt_oss": Family("gpt_oss", "GptOss", swiglu_mlp=False, qkv_rope=False, moe=True,
                       router_scoring="topk_softmax", sliding_window="module", norm_round_before_weight=False,
                       rope_half_tables=True),
 }
@@ -354,12 +352,14 @@ def _decoder_layer_forward(hf_forward, family: Family):
         # HF's layer hands the attention every argument it was given, by name.
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         if attention_out.dtype == residual.dtype and attention_out.shape == residual.shape:
-            hidden_states, residual = add_rms_norm(attention_out, residual, norm.weight,
-                                                   getattr(norm, family.norm_eps), family.norm_offset)
+            hidden_states, residual = add_rms_norm(attention_out, residual, norm.weight, getattr(norm, family.norm_eps),
+                                                   family.norm_offset, family.norm_round_before_weight)
         else:
             residual = residual + attention_out
             hidden_states = norm(residual)
         mlp_out = self.mlp(hidden_states)
+        if isinstance(mlp_out, tuple):  # GPT-OSS's: (output, router scores)
+            mlp_out = mlp_out[0]
         next_norm = self.__dict__.get(NEXT_NORM)
         next_norm = next_norm() if next_norm is not None else None
         # Not under gradient checkpointing: its recomputation runs the layers backwards, so a
@@ -371,7 +371,7 @@ def _decoder_layer_forward(hf_forward, family: Family):
                 or isinstance(self, FSDPModule) or torch.compiler.is_compiling()):
             return residual + mlp_out
         normed, out = add_rms_norm(mlp_out, residual, next_norm.weight, getattr(next_norm, family.norm_eps),
-                                   family.norm_offset)
+                                   family.norm_offset, family.norm_round_before_weight)
         next_norm.__dict__[FUSED_NORM] = (out, normed)
         return out
 
@@ -541,7 +541,7 @@ def _warm_step(model: torch.nn.Module, family: Family, batch: int, seq: int) -> 
     norm = layer.post_attention_layernorm
     if family.add_norm:
         runtime.warm(add_rms_norm, x, activation(batch, seq, hidden_size), like(norm.weight),
-                     getattr(norm, family.norm_eps), family.norm_offset)
+                     getattr(norm, family.norm_eps), family.norm_offset, family.norm_round_before_weight)
 
     # q, k, v as the projections hand them over: (B, S, heads * D) viewed as (B, heads, S, D).
     def heads_view(n):
@@ -974,8 +974,8 @@ def patch(model: torch.nn.Module, attention: bool = True, weights: str | None = 
     Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or GPT-OSS model, also inside a PEFT wrapper) in place and return it; patching
     twice is harmless. attention=False keeps the model's attention implementation, and so does a
     head dim the attention kernels do not take (with a warning). MoE models' experts run
-    moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, its norms and its rope
-    are ours, its decoder layer HF's).
+    moe_experts (GPT-OSS's gpt_oss_experts; its attention, sinks included, its norms with the
+    residual adds and its rope are ours).
 
     weights="nvfp4" | "mxfp4" | "mxfp8" (a bf16 model): the decoder layers' attention and dense MLP
     projections become block-scaled `nn.QuantizedLinear` modules, weight-only (activations bf16,

@@ -499,7 +499,7 @@ def _fwd_in_registers(x_rows, res_rows, h, w, b, y, stats, eps, offset, flags) -
 
 @runtime.planned
 def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 round_xhat: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, stats) of RMSNorm over h = x + residual (rows up to FUSED_MAX_N), h contiguous.
     Planned as norm_fwd."""
     N = x.shape[-1]
@@ -509,13 +509,13 @@ def add_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     stats = runtime.empty((x_rows.shape[0],), torch.float32, x.device)
     if x.numel():
         entry, grid, scalars = _fwd_in_registers(x_rows, res_rows, h, _or(weight, x_rows), x_rows, y, stats, eps,
-                                                 offset, _flags(True, weight, None, offset == 0.0))
+                                                 offset, _flags(True, weight, None, round_xhat))
         if entry is not None and runtime.starts_as(x_rows, x, res_rows, residual):
             runtime.keep_plan(functools.partial(_replay_add_norm_fwd, entry, grid, scalars))
     return y, h, stats
 
 
-def _replay_add_norm_fwd(entry, grid, scalars, x, residual, weight, eps, offset, out_dtype):
+def _replay_add_norm_fwd(entry, grid, scalars, x, residual, weight, eps, offset, round_xhat, out_dtype):
     y = runtime.empty(x.shape, out_dtype, x.device)
     h = runtime.empty(x.shape, x.dtype, x.device)
     stats = runtime.empty((scalars[0],), torch.float32, x.device)  # scalars: rows, then the rest
@@ -661,7 +661,7 @@ def _fake_norm_fwd(x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows if rms else 2 * rows,), dtype=torch.float32)
 
 
-def _fake_add_norm_fwd(x, residual, weight, eps, offset, out_dtype):
+def _fake_add_norm_fwd(x, residual, weight, eps, offset, round_xhat, out_dtype):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape),
             x.new_empty((rows,), dtype=torch.float32))
@@ -713,18 +713,17 @@ class AddRMSNormFunction(torch.autograd.Function):
     uses added into the norm's dx, which x and residual both receive)."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, out_dtype):
-        y, h, stats = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)
+    def forward(ctx, x, residual, weight, eps, offset, round_xhat, out_dtype):
+        y, h, stats = add_norm_fwd(x, residual, weight, eps, offset, round_xhat, out_dtype)
         ctx.save_for_backward(h, weight, stats)
-        ctx.offset = offset
+        ctx.offset, ctx.round_xhat = offset, round_xhat
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight, stats = ctx.saved_tensors
-        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, ctx.offset == 0.0, _sums_dtype(weight, None),
-                            dh)
-        return dx, dx, sums[0] if weight is not None else None, None, None, None
+        dx, sums = norm_bwd(dy, h, weight, None, stats, ctx.offset, True, ctx.round_xhat, _sums_dtype(weight, None), dh)
+        return dx, dx, sums[0] if weight is not None else None, None, None, None, None
 
 
 def _normalize(x, weight, bias, eps, offset, rms, round_xhat, out_dtype):
@@ -774,27 +773,28 @@ def _check_rms(x, weight, eps, offset, round_before_weight: bool = True) -> torc
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(h, weight, eps, offset), h) with h = x + residual (rounded to their dtype, as
-    torch's add): a pre-norm Transformer block's residual add and the norm after it, in one
-    kernel each way. x and residual have the same shape and dtype."""
-    out_dtype = _check_rms(x, weight, eps, offset)
+                 offset: float = 0.0, round_before_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h, weight, eps, offset, round_before_weight), h) with h = x + residual (rounded to
+    their dtype, as torch's add): a pre-norm Transformer block's residual add and the norm after
+    it, in one kernel each way. x and residual have the same shape and dtype."""
+    out_dtype = _check_rms(x, weight, eps, offset, round_before_weight)
     runtime.check_tensor("residual", residual, (x.dtype,))
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}: they must match")
     runtime.check_same_device(x=x, residual=residual)
     if x.shape[-1] > FUSED_MAX_N:  # rows past the registers: the looped kernels, unfused
         h = x + residual
-        return rms_norm(h, weight, eps, offset), h
+        return rms_norm(h, weight, eps, offset, round_before_weight), h
+    round_xhat = round_before_weight and offset == 0.0
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
-        return runtime.apply(AddRMSNormFunction, x, residual, weight, eps, offset, out_dtype)
-    y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, out_dtype)
+        return runtime.apply(AddRMSNormFunction, x, residual, weight, eps, offset, round_xhat, out_dtype)
+    y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, round_xhat, out_dtype)
     return y, h
 
 
-def add_rms_norm_reference(x, residual, weight=None, eps=1e-6, offset=0.0):
+def add_rms_norm_reference(x, residual, weight=None, eps=1e-6, offset=0.0, round_before_weight=True):
     h = x + residual
-    return rms_norm_reference(h, weight, eps, offset), h
+    return rms_norm_reference(h, weight, eps, offset, round_before_weight), h
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
