@@ -237,3 +237,61 @@ def test_two_launches_of_one_size_captured_train_as_eagerly():
 
     (losses, params), (ref_losses, ref_params) = train(True), train(False)
     assert torch.equal(losses, ref_losses) and all(torch.equal(p, q) for p, q in zip(params, ref_params))
+
+
+def _tied_model(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 50), torch.nn.Linear(2, 2)).to(device)
+    model[3].weight = model[0].weight  # tied: its hook runs once, after both uses' gradients are summed
+    model[4].requires_grad_(False)  # frozen: no hook
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True, "maximize": True}])
+def test_step_in_backward_steps_as_the_usual_step(options):
+    """Each parameter stepped inside backward (its gradient then freed) ends bit for bit where the
+    usual step does, over two groups, a tied weight and a frozen layer; step() and zero_grad()
+    after it find nothing to do."""
+    models = [_tied_model(DEVICE) for _ in range(2)]
+    opts = []
+    for model, in_backward in zip(models, (False, True)):
+        params = list(model.parameters())
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-2, "weight_decay": 0.0}]
+        opts.append(AdamW(groups, lr=1e-2, weight_decay=0.1, step_in_backward=in_backward, **options))
+    for _ in range(3):
+        ids = torch.randint(0, 50, (4, 7), device=DEVICE)
+        for model, opt in zip(models, opts):
+            logits = model[:4](ids).flatten(0, 1)
+            torch.nn.functional.cross_entropy(logits, ids.flatten()).backward()
+            if opt is opts[1]:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    assert [float(s["step"]) for s in opts[1].state.values()] == [3.0] * 4
+    with pytest.raises(TypeError, match="step_in_backward"):
+        AdamW(models[0].parameters(), step_in_backward=1)
+
+
+@gpu_only
+def test_step_in_backward_captured_trains_as_eagerly():
+    def train(captured):
+        model = _tied_model("cuda")
+        opt = AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+        ids = torch.randint(0, 50, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+        def step(ids):
+            loss = torch.nn.functional.cross_entropy(model[:4](ids).flatten(0, 1), ids.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        run = tritonformer.capture_step(step) if captured else step
+        losses = torch.stack([run(ids).detach() for _ in range(5)])
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (losses, params), (ref_losses, ref_params) = train(True), train(False)
+    assert torch.equal(losses, ref_losses) and all(torch.equal(p, q) for p, q in zip(params, ref_params))
