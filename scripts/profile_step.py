@@ -4,8 +4,7 @@ the kernels' busy time, and the longest gaps between kernels with the kernels ei
 GPU machine:
 
     python scripts/profile_step.py [--model e2e|smollm2-135m|qwen2.5-0.5b|qwen3-moe]
-        [--stack tritonformer|tritonformer+cuda_graphs|hf-eager|hf+liger|hf+torch.compile|
-                 tritonformer+torch.compile]
+        [--stack STACK (bench.e2e.STACKS: tritonformer, tritonformer+cuda_graphs, hf+torch.compile, ...)]
         [--top 30] [--gaps 15]
 
 Under torch.compile it also prints dynamo's graph count and graph breaks (by reason).
@@ -80,9 +79,7 @@ def print_gaps(prof, count: int, stacks: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stack", default="tritonformer", choices=[
-        "tritonformer", "tritonformer+cuda_graphs", "hf-eager", "hf+liger", "hf+torch.compile",
-        "tritonformer+torch.compile"])
+    parser.add_argument("--stack", default="tritonformer", help="a bench e2e stack (bench.e2e.STACKS)")
     parser.add_argument("--model", default="e2e", help="a bench e2e model name (bench.e2e.MODELS)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--gaps", type=int, default=15, help="longest idle gaps listed")
@@ -95,8 +92,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import tritonformer  # before transformers
-    from tritonformer.bench.e2e import MODELS, make_model, make_optimizer
+    from tritonformer.bench.e2e import MODELS, STACKS, make_model, make_optimizer
 
+    if args.stack not in STACKS:
+        parser.error(f"--stack must be one of {', '.join(STACKS)}")
     sizes = MODELS[args.model]
     family = sizes["family"]
     if args.stack == "hf+liger":

@@ -8,7 +8,8 @@ biases; both with tied embeddings); "qwen3-moe", a 4-layer Qwen3-MoE with Qwen3-
 (issue 46; HF's default experts, torch._grouped_mm, in the HF stacks). Stacks: HF eager (SDPA
 attention), HF + Liger-Kernel (when importable), HF + torch.compile, HF + tritonformer
 (integrations.hf.patch), the same with the whole step as a CUDA graph (tritonformer.capture_step),
-and HF + tritonformer + torch.compile. Each runs in a child process of its own (Liger and our patch
+HF + tritonformer + torch.compile, and the captured step with AdamW stepping inside backward
+(`step_in_backward=True`: the gradients never all live at once). Each runs in a child process of its own (Liger and our patch
 both replace module-level functions of transformers, and peak memory is per process), on the same
 seeded weights and data, with AdamW: torch's fused one (on a GPU) in the HF stacks,
 tritonformer.optim.AdamW in ours. Warm-up is the wall time of the first WARMUP_STEPS steps
@@ -32,8 +33,9 @@ from pathlib import Path
 
 # A prefill is a few milliseconds: its time is the median of several.
 PREFILL_REPEATS = 5
+# The last: AdamW's step inside backward, gradients freed as they are used (docs/optim.md).
 STACKS = ("hf-eager", "hf+liger", "hf+torch.compile", "tritonformer", "tritonformer+cuda_graphs",
-          "tritonformer+torch.compile")
+          "tritonformer+torch.compile", "tritonformer+step_in_backward+cuda_graphs")
 WARMUP_STEPS = 3
 RUN = dict(batch=4, seq=2048, steps=50, prompt=512, new_tokens=128)
 MODELS = {
@@ -90,7 +92,8 @@ def make_optimizer(stack: str, model):
     import tritonformer
 
     if stack.startswith("tritonformer"):
-        return tritonformer.optim.AdamW(model.parameters(), lr=1e-4)
+        return tritonformer.optim.AdamW(model.parameters(), lr=1e-4,
+                                        step_in_backward="step_in_backward" in stack.split("+"))
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=next(model.parameters()).is_cuda)
 
 
