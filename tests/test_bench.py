@@ -232,11 +232,13 @@ def test_e2e_stacks_train_to_the_same_loss(tmp_path):
     from tritonformer.bench import e2e
 
     sizes = dict(e2e.QUICK, steps=e2e.WARMUP_STEPS + 1, new_tokens=2)
-    rows = [e2e.run_stack(stack, sizes) for stack in ("hf-eager", "tritonformer", "tritonformer+cuda_graphs")]
+    stacks = ("hf-eager", "tritonformer", "tritonformer+cuda_graphs", "tritonformer+step_in_backward+cuda_graphs")
+    rows = [e2e.run_stack(stack, sizes) for stack in stacks]
     for row in rows:
         assert len(row["losses"]) == sizes["steps"] and row["tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
     for row in rows[1:]:
         assert row["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4)
+    assert rows[3]["losses"] == rows[1]["losses"]  # the step inside backward: the same arithmetic
     report = e2e.write_report(rows + [dict(stack="hf+liger", error="liger_kernel is not installed")], sizes, tmp_path)
     text = report.read_text()
     assert "| tritonformer |" in text and "+0.00%" in text and (tmp_path / "e2e.png").exists()
