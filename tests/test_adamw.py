@@ -11,7 +11,7 @@ from tritonformer.ops.adamw import adamw_step
 from tritonformer.optim import AdamW
 from tritonformer.testing import check_close
 
-from conftest import gpu_only
+from conftest import ON_GPU, gpu_only
 from helpers import fresh_launchers
 
 DEVICE = runtime.DEVICE
@@ -273,17 +273,47 @@ def test_step_in_backward_steps_as_the_usual_step(options):
     assert [float(s["step"]) for s in opts[1].state.values()] == [3.0] * 4
     with pytest.raises(TypeError, match="step_in_backward"):
         AdamW(models[0].parameters(), step_in_backward=1)
+    # One optimizer a parameter steps it inside backward, while it lives.
+    with pytest.raises(ValueError, match="already stepped inside backward"):
+        AdamW(models[1].parameters(), step_in_backward=True)
+
+
+def test_step_in_backward_reads_loaded_groups_and_keeps_a_plan_a_parameter(monkeypatch):
+    """A loaded state_dict's groups (new dicts) are the ones the hooks read: a learning rate of 0
+    loaded leaves the parameters where they are. On a GPU, a model of more parameters than the
+    launch cache's former 64 reuses each parameter's plan once the gradients' addresses repeat
+    (the CPU allocator gives new ones each step)."""
+    from tritonformer.ops import adamw
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)]).to(DEVICE)  # 80 parameters
+    opt = AdamW(layers.parameters(), lr=1e-2, step_in_backward=True)
+    built = []
+    monkeypatch.setattr(adamw, "_plan", lambda *a, _plan=adamw._plan: built.append(1) or _plan(*a))
+    x = torch.randn(3, 4, device=DEVICE)
+    for step in range(4):
+        before_step = len(built)
+        layers(x).square().sum().backward()
+        opt.step()
+    assert len(built) >= 80 and (len(built) == before_step or not ON_GPU)
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = 0.0
+    opt.load_state_dict(state)
+    before = [p.detach().clone() for p in layers.parameters()]
+    layers(x).square().sum().backward()
+    assert all(torch.equal(p, q) for p, q in zip(layers.parameters(), before))
 
 
 @gpu_only
 def test_step_in_backward_captured_trains_as_eagerly():
     def train(captured):
         model = _tied_model("cuda")
+        model.append(torch.nn.Sequential(*[torch.nn.Linear(50, 50) for _ in range(40)]).cuda())  # 80 more params
         opt = AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
         ids = torch.randint(0, 50, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
         def step(ids):
-            loss = torch.nn.functional.cross_entropy(model[:4](ids).flatten(0, 1), ids.flatten())
+            loss = torch.nn.functional.cross_entropy(model[5](model[:4](ids)).flatten(0, 1), ids.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

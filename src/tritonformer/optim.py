@@ -12,9 +12,12 @@ a time. `differentiable=True` is refused.
 
 `step_in_backward=True` steps each parameter inside `backward()`, as soon as its gradient is
 complete (a post-accumulate-grad hook), and frees that gradient: a step's peak memory then holds
-no model-sized set of gradients (docs/optim.md). `step()` and `zero_grad()` find nothing left to
-do; the results are those of the usual step. It does not suit what needs every gradient before
-the step: clipping by the global norm, or accumulating gradients over several backward passes.
+no model-sized set of gradients (docs/optim.md). The results are those of the usual step. Keep
+calling `step()` (it finds nothing left to do, but `capture_step` learns of the optimizer from
+it) and `zero_grad()`. It does not suit what needs every gradient before the step (clipping by
+the global norm, accumulating over several backward passes) nor reentrant checkpointing (a
+weight used in two segments gets two steps); another optimizer over the same parameters sees
+no gradients (a second one with step_in_backward is refused while the first lives).
 """
 
 from __future__ import annotations
@@ -48,12 +51,19 @@ class AdamW(torch.optim.AdamW):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if getattr(self, "_step_in_backward", False):
-            group = self.param_groups[-1]
-            # A weak reference: the parameters' hooks must not keep the optimizer alive.
-            hook = functools.partial(_step_in_hook, weakref.ref(self), group)
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(hook)
+            index = len(self.param_groups) - 1
+            params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
+            for p in params:
+                owner = _STEPPED_IN_BACKWARD.get(id(p))
+                if owner is not None and owner[0]() is p and owner[1]() not in (None, self):
+                    raise ValueError("step_in_backward: a parameter is already stepped inside backward by another "
+                                     "live optimizer; delete that one first (both would step it)")
+            # The group by its index when the hook runs (load_state_dict replaces the groups' dicts);
+            # the optimizer by a weak reference (the parameters' hooks must not keep it alive).
+            hook = functools.partial(_step_in_hook, weakref.ref(self), index)
+            for p in params:
+                _STEPPED_IN_BACKWARD[id(p)] = (weakref.ref(p), weakref.ref(self))
+                p.register_post_accumulate_grad_hook(hook)
 
     def _compile_ahead(self) -> None:
         """Compile the step's kernel for each group's dtypes in the background now, not at the
@@ -139,10 +149,15 @@ class AdamW(torch.optim.AdamW):
                 step(params, grads, exp_avgs, exp_avg_sqs, steps, **options)
 
 
+# id(parameter) -> (the parameter, its step_in_backward optimizer), both weakly: one optimizer a
+# parameter steps it inside backward.
+_STEPPED_IN_BACKWARD: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
 @torch.no_grad()
-def _step_in_hook(optimizer: weakref.ref, group: dict, p: torch.Tensor) -> None:
+def _step_in_hook(optimizer: weakref.ref, index: int, p: torch.Tensor) -> None:
     """step_in_backward's hook: p's step, its gradient freed (nothing once the optimizer is gone)."""
     opt = optimizer()
     if opt is not None:
-        opt._step_params(group, [p])
+        opt._step_params(opt.param_groups[index], [p])
         p.grad = None

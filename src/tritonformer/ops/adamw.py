@@ -173,7 +173,9 @@ class _Plan:
 
 # Plans built outside a capture, by key, oldest first; at most _MAX_UNKEPT not used by a capture.
 _PLANS: dict[tuple, _Plan] = {}
-_MAX_UNKEPT = 64
+# A step inside backward (optim.AdamW's step_in_backward) launches once a parameter: a model's
+# worth of plans and spare buffers must stay (a few hundred; 8 bytes a 4096-element block each).
+_MAX_UNKEPT = 4096
 # Plans built inside a capture: their tables are written when the graph replays, so they are kept
 # alive for it but never looked up (a failed capture's would hold unwritten tables).
 _CAPTURED: list[_Plan] = []
