@@ -215,28 +215,39 @@ def test_a_warm_up_readies_the_kernels_of_a_real_step(monkeypatch):
     assert len(launched) == 2 and launched <= ahead, (launched, ahead)
 
 
-@gpu_only
-def test_two_launches_of_one_size_captured_train_as_eagerly():
-    """Two parameter groups whose tables have one size: each capture needs its own pinned buffer."""
+def _assert_captured_trains_as_eagerly(build, steps: int) -> None:
+    """build() -> (loss_of(x), optimizer, x, params): `steps` training steps through capture_step
+    and eagerly, from fresh builds, give the same losses and parameters bit for bit."""
     def train(captured):
-        torch.manual_seed(0)
-        layers = [torch.nn.Linear(64, 64, device="cuda") for _ in range(2)]
-        opt = AdamW([{"params": layer.parameters()} for layer in layers], lr=1e-3)
-        x = torch.randn(8, 64, device="cuda")
+        loss_of, opt, x, params = build()
 
         def step(x):
-            loss = layers[1](layers[0](x)).square().mean()
+            loss = loss_of(x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
 
         run = tritonformer.capture_step(step) if captured else step
-        losses = torch.stack([run(x).detach() for _ in range(6)])
-        return losses, [p.detach().clone() for layer in layers for p in layer.parameters()]
+        losses = torch.stack([run(x).detach() for _ in range(steps)])
+        return losses, [p.detach().clone() for p in params]
 
     (losses, params), (ref_losses, ref_params) = train(True), train(False)
     assert torch.equal(losses, ref_losses) and all(torch.equal(p, q) for p, q in zip(params, ref_params))
+
+
+@gpu_only
+def test_two_launches_of_one_size_captured_train_as_eagerly():
+    """Two parameter groups whose tables have one size: each capture needs its own pinned buffer."""
+    def build():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 64, device="cuda") for _ in range(2)]
+        opt = AdamW([{"params": layer.parameters()} for layer in layers], lr=1e-3)
+        x = torch.randn(8, 64, device="cuda")
+        return (lambda x: layers[1](layers[0](x)).square().mean()), opt, x, [
+            p for layer in layers for p in layer.parameters()]
+
+    _assert_captured_trains_as_eagerly(build, 6)
 
 
 def _tied_model(device):
@@ -306,22 +317,15 @@ def test_step_in_backward_reads_loaded_groups_and_keeps_a_plan_a_parameter(monke
 
 @gpu_only
 def test_step_in_backward_captured_trains_as_eagerly():
-    def train(captured):
+    def build():
         model = _tied_model("cuda")
         model.append(torch.nn.Sequential(*[torch.nn.Linear(50, 50) for _ in range(40)]).cuda())  # 80 more params
         opt = AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
         ids = torch.randint(0, 50, (4, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
-        def step(ids):
-            loss = torch.nn.functional.cross_entropy(model[5](model[:4](ids)).flatten(0, 1), ids.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        def loss_of(ids):
+            return torch.nn.functional.cross_entropy(model[5](model[:4](ids)).flatten(0, 1), ids.flatten())
 
-        run = tritonformer.capture_step(step) if captured else step
-        losses = torch.stack([run(ids).detach() for _ in range(5)])
-        return losses, [p.detach().clone() for p in model.parameters()]
+        return loss_of, opt, ids, list(model.parameters())
 
-    (losses, params), (ref_losses, ref_params) = train(True), train(False)
-    assert torch.equal(losses, ref_losses) and all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    _assert_captured_trains_as_eagerly(build, 5)

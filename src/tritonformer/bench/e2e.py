@@ -9,8 +9,9 @@ biases; both with tied embeddings); "qwen3-moe", a 4-layer Qwen3-MoE with Qwen3-
 attention), HF + Liger-Kernel (when importable), HF + torch.compile, HF + tritonformer
 (integrations.hf.patch), the same with the whole step as a CUDA graph (tritonformer.capture_step),
 HF + tritonformer + torch.compile, and the captured step with AdamW stepping inside backward
-(`step_in_backward=True`: the gradients never all live at once). Each runs in a child process of its own (Liger and our patch
-both replace module-level functions of transformers, and peak memory is per process), on the same
+(`step_in_backward=True`: the gradients never all live at once). Each runs in a child process of
+its own (Liger and our patch both replace module-level functions of transformers, and peak memory
+is per process), on the same
 seeded weights and data, with AdamW: torch's fused one (on a GPU) in the HF stacks,
 tritonformer.optim.AdamW in ours. Warm-up is the wall time of the first WARMUP_STEPS steps
 (compilation and graph capture included, each stack starting from empty Triton and Inductor

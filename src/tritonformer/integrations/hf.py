@@ -442,9 +442,7 @@ def _rotary_forward(hf_forward, family: Family):
 
     def tables_of(self, x, position_ids, *args, **kwargs):
         cos, sin = hf_forward(self, x, position_ids, *args, **kwargs)
-        if family.rope_half_tables and family.rope:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return cos, sin
+        return _widened(cos, sin) if family.rope_half_tables and family.rope else (cos, sin)
 
     @functools.wraps(hf_forward)
     def forward(self, x, position_ids, *args, **kwargs):
@@ -481,8 +479,14 @@ def _apply_rotary_pos_emb_half_tables(q, k, cos, sin, unsqueeze_dim=1):
     model's come widened (_rotary_forward), an unpatched model of the family (its module-level
     function is this one too) hands them as HF made them."""
     if 2 * cos.shape[-1] == q.shape[-1]:
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        cos, sin = _widened(cos, sin)
     return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _widened(cos, sin):
+    """Half-width rotary tables as apply_rope takes them: each half of the head rotated by the same
+    table is Llama's rotation by the table repeated."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def _shifted_labels(labels, shift_labels, ignore_index):

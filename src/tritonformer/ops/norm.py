@@ -757,19 +757,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     by (1 + weight) in float32; the result has x's dtype. round_before_weight=False
     (GptOssRMSNorm): multiply by the weight in float32 and round once, to x's dtype.
     """
-    out_dtype = _check_rms(x, weight, eps, offset, round_before_weight)
-    return _normalize(x, weight, None, eps, offset, True, round_before_weight and offset == 0.0, out_dtype)
+    out_dtype, round_xhat = _check_rms(x, weight, eps, offset, round_before_weight)
+    return _normalize(x, weight, None, eps, offset, True, round_xhat, out_dtype)
 
 
-def _check_rms(x, weight, eps, offset, round_before_weight: bool = True) -> torch.dtype:
-    """Check rms_norm's arguments; the result's dtype (HF's: see rms_norm)."""
+def _check_rms(x, weight, eps, offset, round_before_weight: bool) -> tuple[torch.dtype, bool]:
+    """Check rms_norm's arguments; the result's dtype (HF's: see rms_norm) and whether the kernels
+    round x-hat before the weight multiply."""
     _check_inputs(x, weight, None, eps)
     if not isinstance(offset, (int, float)):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if not isinstance(round_before_weight, bool):
         raise TypeError(f"round_before_weight must be a bool, got {type(round_before_weight).__name__}")
-    promotes = weight is not None and offset == 0 and round_before_weight
-    return torch.promote_types(x.dtype, weight.dtype) if promotes else x.dtype
+    round_xhat = round_before_weight and offset == 0.0
+    return torch.promote_types(x.dtype, weight.dtype) if weight is not None and round_xhat else x.dtype, round_xhat
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -777,7 +778,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     """(rms_norm(h, weight, eps, offset, round_before_weight), h) with h = x + residual (rounded to
     their dtype, as torch's add): a pre-norm Transformer block's residual add and the norm after
     it, in one kernel each way. x and residual have the same shape and dtype."""
-    out_dtype = _check_rms(x, weight, eps, offset, round_before_weight)
+    out_dtype, round_xhat = _check_rms(x, weight, eps, offset, round_before_weight)
     runtime.check_tensor("residual", residual, (x.dtype,))
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}: they must match")
@@ -785,7 +786,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     if x.shape[-1] > FUSED_MAX_N:  # rows past the registers: the looped kernels, unfused
         h = x + residual
         return rms_norm(h, weight, eps, offset, round_before_weight), h
-    round_xhat = round_before_weight and offset == 0.0
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
         return runtime.apply(AddRMSNormFunction, x, residual, weight, eps, offset, round_xhat, out_dtype)
     y, h, _ = add_norm_fwd(x, residual, weight, eps, offset, round_xhat, out_dtype)
